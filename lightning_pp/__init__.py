@@ -1,0 +1,16 @@
+"""Pipeline parallelism for PyTorch Lightning: ``Trainer(strategy="pipeline")``.
+
+Importing the package registers the strategy names ``"pipeline"`` (1F1B) and ``"pipeline_gpipe"``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_pp.failure import PipelinePeerError
+from lightning_pp.stage import PipelineConfigError
+from lightning_pp.strategy import PipelineStrategy
+
+__all__ = ["PipelineConfigError", "PipelinePeerError", "PipelineStrategy"]
+__version__ = "0.1.0"
+
+if "pipeline" not in StrategyRegistry:
+    PipelineStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,86 @@
+"""Split a batch (any pytree) into equal micro-batches and find what the user's step feeds the model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+
+from lightning_pp.schedule import check_batch_size
+from lightning_pp.stage import PipelineConfigError, patched
+
+
+def batch_size_of(batch: Any) -> int:
+    """Dim 0 of the first tensor with at least one dimension: what the pipeline splits."""
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    raise PipelineConfigError(
+        f"The batch ({type(batch).__name__}) holds no tensor with a batch dimension, so it cannot be split"
+        " into micro-batches; return tensors from the DataLoader."
+    )
+
+
+def split_batch(batch: Any, n_microbatches: int) -> list[Any]:
+    """Split every tensor leaf on dim 0; scalars and non-tensor leaves go to every micro-batch."""
+    size = batch_size_of(batch)
+    check_batch_size(size, n_microbatches)
+    leaves, spec = tree_flatten_with_path(batch)
+    columns: list[list[Any]] = []
+    for path, leaf in leaves:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            if leaf.shape[0] != size:
+                raise PipelineConfigError(
+                    f"The batch leaf {keystr(path) or 'batch'} has {leaf.shape[0]} rows but the batch has {size}"
+                    " samples; every tensor in a batch must share dim 0 so that it can be split into"
+                    " micro-batches (keep per-dataset constants in the module, not in the batch)."
+                )
+            columns.append(list(leaf.chunk(n_microbatches)))
+        else:
+            columns.append([leaf] * n_microbatches)
+    return [tree_unflatten([col[i] for col in columns], spec) for i in range(n_microbatches)]
+
+
+def signature(batch: Any) -> tuple:
+    """Shapes and dtypes of the tensor leaves: the pipeline's buffers are valid for one signature only."""
+    return tuple(
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in tree_flatten(batch)[0]
+    )
+
+
+class _Captured(BaseException):
+    """Stops the user's step at its model call (BaseException: a broad ``except Exception`` keeps out)."""
+
+    def __init__(self, args: tuple, kwargs: dict) -> None:
+        super().__init__()
+        self.args_kwargs = (args, kwargs)
+
+
+def _discard(*_: Any, **__: Any) -> None:
+    return None
+
+
+def capture_model_inputs(
+    module: nn.Module, step: Callable[..., Any], step_args: tuple, step_kwargs: dict, hook_name: str
+) -> tuple[tuple, dict]:
+    """Run the user's step up to its ``self(...)`` call and return that call's arguments.
+
+    The step stops there, so nothing after it (loss, logging) runs; logging before it is discarded.
+    """
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
+
+    try:
+        with patched(module, forward=capture, log=_discard):
+            step(*step_args, **step_kwargs)
+    except _Captured as found:
+        return found.args_kwargs
+    raise PipelineConfigError(
+        f"{type(module).__name__}.{hook_name} never calls the model (self(...) or self.forward(...)); under the"
+        " pipeline the step must call the model exactly once, with the batch's inputs."
+    )

@@ -1,0 +1,122 @@
+"""Carry what the last stage's user step logged (and its loss) to every rank, as one process would log it.
+
+The user's step runs once per micro-batch on the last stage only. Its ``self.log`` calls are
+recorded there, combined per name by ``reduce_fx`` into the value one process would log for the
+whole batch, broadcast, and replayed through ``LightningModule.log`` on every rank, so the progress
+bar and loggers on rank 0 and ``callback_metrics`` everywhere see the same numbers.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import LightningModule
+
+_LOG_SIGNATURE = inspect.signature(LightningModule.log)
+_REDUCTIONS: dict[Any, str] = {
+    "mean": "mean", "avg": "mean", torch.mean: "mean",
+    "sum": "sum", torch.sum: "sum", sum: "sum",
+    "max": "max", torch.max: "max", max: "max",
+    "min": "min", torch.min: "min", min: "min",
+}  # fmt: skip
+
+
+@dataclass
+class LogRecord:
+    name: str
+    value: torch.Tensor
+    options: dict[str, Any]
+    weight: float
+
+
+@dataclass
+class StepReport:
+    """What every rank needs from the last stage after a step."""
+
+    loss: torch.Tensor | None
+    logs: list[LogRecord]
+
+
+def reduction_of(reduce_fx: Any, name: str) -> str:
+    key = reduce_fx.lower() if isinstance(reduce_fx, str) else reduce_fx
+    try:
+        return _REDUCTIONS[key]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"self.log({name!r}, ..., reduce_fx={reduce_fx!r}): under the pipeline a step's value is combined over"
+            " micro-batches, which works for reduce_fx 'mean', 'sum', 'max' or 'min'."
+        ) from None
+
+
+class LogRecorder:
+    """Stands in for ``LightningModule.log`` while the user's step runs on one micro-batch."""
+
+    def __init__(self) -> None:
+        self.records: list[LogRecord] = []
+        self.weight = 1.0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        bound = _LOG_SIGNATURE.bind(None, *args, **kwargs)
+        bound.apply_defaults()
+        options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
+        name, value = bound.arguments["name"], bound.arguments["value"]
+        if not isinstance(value, (torch.Tensor, int, float, bool)):
+            raise TypeError(
+                f"self.log({name!r}, {type(value).__name__}): under the pipeline, log tensors or numbers; logging"
+                " torchmetrics objects from a pipelined step is planned (issue 4): log metric.compute() or the"
+                " value the metric's forward returns instead."
+            )
+        reduction_of(options["reduce_fx"], name)
+        tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        weight = float(options["batch_size"]) if options["batch_size"] is not None else self.weight
+        options["sync_dist_group"] = None  # process groups do not travel; replay reduces over the default group
+        self.records.append(LogRecord(name, tensor, options, weight))
+
+
+def combine(records: list[LogRecord]) -> list[LogRecord]:
+    """One record per name: what a single process would log for the whole batch."""
+    by_name: dict[str, list[LogRecord]] = {}
+    for record in records:
+        by_name.setdefault(record.name, []).append(record)
+    combined = []
+    for name, group in by_name.items():
+        kind = reduction_of(group[0].options["reduce_fx"], name)
+        values = torch.stack([r.value.float().reshape(()) for r in group])
+        weights = torch.tensor([r.weight for r in group], dtype=values.dtype)
+        if kind == "mean":
+            value = (values * weights).sum() / weights.sum() if len(group) > 1 else values[0]
+        elif kind == "sum":
+            value = values.sum()
+        elif kind == "max":
+            value = values.max()
+        else:
+            value = values.min()
+        options = dict(group[0].options)
+        if options["batch_size"] is not None:
+            options["batch_size"] = int(sum(r.weight for r in group))
+        combined.append(LogRecord(name, value.to(group[0].value.dtype), options, float(weights.sum())))
+    return combined
+
+
+def broadcast_report(report: StepReport | None, src: int, group: dist.ProcessGroup | None) -> StepReport:
+    """Every rank leaves with the last stage's report (``src`` is a global rank)."""
+    if report is not None:
+        report = StepReport(
+            None if report.loss is None else report.loss.detach().cpu(),
+            [LogRecord(r.name, r.value.cpu(), r.options, r.weight) for r in report.logs],
+        )
+    box = [report]
+    dist.broadcast_object_list(box, src=src, group=group)
+    assert box[0] is not None
+    return box[0]
+
+
+def replay(log: Callable[..., Any], records: list[LogRecord], device: torch.device) -> None:
+    """Log the combined values through Lightning, once per name, on this rank."""
+    for record in records:
+        log(record.name, record.value.to(device), **record.options)

@@ -1,0 +1,296 @@
+"""Turn a whole LightningModule into the one pipeline stage a rank owns.
+
+The seed convention: a stage keeps its run of the ModuleDict's layers; every other part becomes
+``None`` and the user's ``forward`` skips it. Which parts come before, between or after the
+layers is learned by watching one real forward, not guessed from attribute order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from lightning_pp.partition import Balance, resolve_balance, stage_of_each_layer
+
+
+class PipelineConfigError(ValueError):
+    """A configuration the pipeline cannot run; the message names the value and the fix."""
+
+
+def find_layers(module: nn.Module, path: str) -> nn.ModuleDict:
+    """The ModuleDict at the dotted ``path``, or an error that says what is there instead."""
+    obj: Any = module
+    walked: list[str] = []
+    for name in path.split("."):
+        walked.append(name)
+        if not hasattr(obj, name):
+            children = [n for n, _ in obj.named_children()] if isinstance(obj, nn.Module) else []
+            raise PipelineConfigError(
+                f"layers={path!r}: {type(obj).__name__} has no attribute {'.'.join(walked)!r}."
+                f" Its sub-modules are {children}; pass the dotted path of the nn.ModuleDict that holds"
+                " the repeated layers, e.g. PipelineStrategy(layers='model.layers')."
+            )
+        obj = getattr(obj, name)
+    if isinstance(obj, nn.ModuleDict):
+        return obj
+    hint = ""
+    if isinstance(obj, (nn.ModuleList, nn.Sequential)):
+        hint = (
+            f" Store the layers in an nn.ModuleDict instead, e.g."
+            f" nn.ModuleDict({{str(i): block for i, block in enumerate(blocks)}}): a stage deletes the"
+            " layers it does not own and the dict keeps the other layers' names (and state-dict keys)."
+        )
+    raise PipelineConfigError(f"layers={path!r} is a {type(obj).__name__}, not an nn.ModuleDict.{hint}")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where every part of the module lives; the same on every rank."""
+
+    layers_path: str
+    layer_keys: tuple[str, ...]
+    counts: tuple[int, ...]
+    # dotted name of each non-layer child module / loose parameter -> stages that keep it
+    parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.counts)
+
+    def layers_of(self, stage: int) -> list[str]:
+        stages = stage_of_each_layer(self.counts)
+        return [k for k, s in zip(self.layer_keys, stages) if s == stage]
+
+    def describe(self, module: nn.Module) -> str:
+        """A table of what each stage holds, for the placement log."""
+        lines = [f"Pipeline placement ({self.n_stages} stages, layers at '{self.layers_path}'):"]
+        layers = find_layers(module, self.layers_path)
+        for s in range(self.n_stages):
+            keys = self.layers_of(s)
+            parts = [n for n, st in {**self.parts, **self.params}.items() if s in st]
+            n_params = sum(p.numel() for k in keys for p in layers[k].parameters())
+            for name in parts:
+                obj = _get(module, name)
+                n_params += obj.numel() if isinstance(obj, nn.Parameter) else sum(p.numel() for p in obj.parameters())
+            span = f"{keys[0]}..{keys[-1]}" if len(keys) > 1 else keys[0]
+            lines.append(
+                f"  stage {s}: layers {span} ({len(keys)}), parts {parts or '-'}, {n_params:,} parameters"
+            )
+        return "\n".join(lines)
+
+
+@dataclass
+class _Trace:
+    layer_order: list[str] = field(default_factory=list)
+    # name -> positions, where a position counts the layers started before the use
+    uses: dict[str, list[int]] = field(default_factory=dict)
+
+
+def _containers(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
+    """The modules on the way from the root to the layers' parent, with their dotted prefixes."""
+    out = [("", module)]
+    obj = module
+    names = path.split(".")[:-1]
+    for i, name in enumerate(names):
+        obj = getattr(obj, name)
+        out.append((".".join(names[: i + 1]) + ".", obj))
+    return out
+
+
+def _parts_and_params(module: nn.Module, path: str) -> tuple[dict[str, nn.Module], dict[str, nn.Parameter]]:
+    """Child modules and loose parameters beside the layers (on the root or on the path to them)."""
+    on_path = {".".join(path.split(".")[: i + 1]) for i in range(len(path.split(".")))}
+    parts: dict[str, nn.Module] = {}
+    params: dict[str, nn.Parameter] = {}
+    for prefix, container in _containers(module, path):
+        for name, child in container.named_children():
+            if prefix + name not in on_path:
+                parts[prefix + name] = child
+        for name, p in container.named_parameters(recurse=False):
+            params[prefix + name] = p
+    return parts, params
+
+
+class _ParamUse(TorchFunctionMode):
+    """Notes the position at which loose (non-module) parameters enter an operation."""
+
+    def __init__(self, params: dict[str, nn.Parameter], trace: _Trace) -> None:
+        super().__init__()
+        self._by_id = {id(p): n for n, p in params.items()}
+        self._trace = trace
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        for leaf in tree_flatten((args, kwargs or {}))[0]:
+            name = self._by_id.get(id(leaf))
+            if name is not None:
+                self._trace.uses.setdefault(name, []).append(len(self._trace.layer_order))
+        return func(*args, **(kwargs or {}))
+
+
+def trace_forward(module: nn.Module, path: str, run_forward: Callable[[], Any]) -> _Trace:
+    """Run one real forward and record when each layer, part and loose parameter is used."""
+    layers = find_layers(module, path)
+    parts, params = _parts_and_params(module, path)
+    trace = _Trace()
+    handles = []
+
+    def on_layer(key: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            trace.layer_order.append(key)
+
+        return hook
+
+    def on_part(name: str) -> Callable[..., None]:
+        def hook(*_: Any) -> None:
+            trace.uses.setdefault(name, []).append(len(trace.layer_order))
+
+        return hook
+
+    for key, layer in layers.items():
+        handles.append(layer.register_forward_pre_hook(on_layer(key)))
+    for name, part in parts.items():
+        handles.append(part.register_forward_pre_hook(on_part(name)))
+    try:
+        with torch.no_grad(), _ParamUse(params, trace):
+            run_forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return trace
+
+
+def plan_placement(
+    module: nn.Module, path: str, n_stages: int, balance: Balance, trace: _Trace
+) -> Placement:
+    """Decide every part's stage from the traced forward; reject what cannot be pipelined."""
+    layers = find_layers(module, path)
+    keys = tuple(layers.keys())
+    if not keys:
+        raise PipelineConfigError(f"layers={path!r} is an empty nn.ModuleDict; the pipeline splits its layers.")
+    order = trace.layer_order
+    if order != list(keys):
+        if not order:
+            raise PipelineConfigError(
+                f"forward never called the layers at {path!r}; pass the attribute that forward iterates"
+                " over with PipelineStrategy(layers=...)."
+            )
+        raise PipelineConfigError(
+            f"forward called the layers at {path!r} in the order {order}, but a pipeline runs them once each"
+            f" in the ModuleDict's order {list(keys)}; reorder the ModuleDict or the loop in forward."
+        )
+    parts, params = _parts_and_params(module, path)
+    n = len(keys)
+
+    # cost model for balance="parameters": parts before the layers count on the first stage, after on
+    # the last, in between with the layer they follow
+    layer_costs = [sum(p.numel() for p in layers[k].parameters()) for k in keys]
+    first = last = 0
+    sizes = {name: sum(p.numel() for p in part.parameters()) for name, part in parts.items()}
+    sizes.update({name: p.numel() for name, p in params.items()})
+    for name, size in sizes.items():
+        positions = trace.uses.get(name, [n])
+        pos = positions[0]
+        if pos == 0:
+            first += size
+        elif pos >= n:
+            last += size
+        else:
+            layer_costs[pos - 1] += size
+    counts = resolve_balance(balance, n, n_stages, layer_costs, first, last)
+    layer_stage = stage_of_each_layer(counts)
+
+    def stages_at(positions: list[int]) -> tuple[int, ...]:
+        return tuple(sorted({0 if pos == 0 else layer_stage[min(pos, n) - 1] for pos in positions}))
+
+    placed_parts: dict[str, tuple[int, ...]] = {}
+    for name, part in parts.items():
+        stages = stages_at(trace.uses[name]) if name in trace.uses else (n_stages - 1,)
+        if len(stages) > 1 and any(True for _ in part.parameters()):
+            raise PipelineConfigError(
+                f"'{name}' has parameters and forward uses it on stages {list(stages)}; parameters used by more"
+                " than one stage are not supported yet. Give each stage its own copy, or choose a balance"
+                " that keeps its uses on one stage."
+            )
+        placed_parts[name] = stages
+    placed_params: dict[str, tuple[int, ...]] = {}
+    for name in params:
+        stages = stages_at(trace.uses[name]) if name in trace.uses else (n_stages - 1,)
+        if len(stages) > 1:
+            raise PipelineConfigError(
+                f"The parameter '{name}' is used on stages {list(stages)}; a parameter shared by more than one"
+                " stage is not supported yet. Move it into the part (or layer) that uses it."
+            )
+        placed_params[name] = stages
+    placement = Placement(path, keys, tuple(counts), placed_parts, placed_params)
+    _reject_tied_parameters(module, placement)
+    return placement
+
+
+def _owner_stages(placement: Placement, name: str) -> tuple[int, ...]:
+    prefix = placement.layers_path + "."
+    if name.startswith(prefix):
+        key = name[len(prefix) :].split(".")[0]
+        return (stage_of_each_layer(placement.counts)[placement.layer_keys.index(key)],)
+    for owner, stages in {**placement.parts, **placement.params}.items():
+        if name == owner or name.startswith(owner + "."):
+            return stages
+    return tuple(range(placement.n_stages))
+
+
+def _reject_tied_parameters(module: nn.Module, placement: Placement) -> None:
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    for names in by_id.values():
+        stages = sorted({s for n in names for s in _owner_stages(placement, n)})
+        if len(names) > 1 and len(stages) > 1:
+            raise PipelineConfigError(
+                f"The parameters {names} are one tensor (tied weights) but live on stages {stages}; parameters"
+                " shared across stages (such as a tied embedding and head) are not supported yet. Untie them"
+                " (give the head its own weight) to train under the pipeline."
+            )
+
+
+def prune_to_stage(module: nn.Module, placement: Placement, stage: int) -> None:
+    """Drop every layer, part and loose parameter the stage does not own; names stay unchanged."""
+    layers = find_layers(module, placement.layers_path)
+    keep = set(placement.layers_of(stage))
+    for key in list(layers.keys()):
+        if key not in keep:
+            del layers[key]
+    for name, stages in {**placement.parts, **placement.params}.items():
+        if stage not in stages:
+            parent, _, attr = name.rpartition(".")
+            setattr(_get(module, parent) if parent else module, attr, None)
+
+
+def _get(module: nn.Module, dotted: str) -> Any:
+    obj: Any = module
+    for name in dotted.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+@contextlib.contextmanager
+def patched(obj: Any, **attrs: Any) -> Iterator[None]:
+    """Set instance attributes for the duration of the block, then put back what was there."""
+    missing = object()
+    saved = {name: obj.__dict__.get(name, missing) for name in attrs}
+    for name, value in attrs.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)

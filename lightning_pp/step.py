@@ -1,0 +1,216 @@
+"""One pipelined step: micro-batches in, torch's schedule in the middle, the user's own step at the end.
+
+Data flows one way: batch -> micro-batches -> the inputs the user's step gives ``self(...)`` ->
+torch schedule (P2P) -> last-stage output -> the user's step with ``self(...)`` returning that output
+-> loss and logs (a ``StepReport``, on the last stage only).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.utils._pytree import tree_flatten
+
+from lightning_pp.failure import failures_shared
+from lightning_pp.microbatch import batch_size_of, capture_model_inputs, signature, split_batch
+from lightning_pp.relay import LogRecorder, StepReport, combine
+from lightning_pp.schedule import schedule_class
+from lightning_pp.stage import PipelineConfigError, patched
+
+_MAX_CACHED_SHAPES = 4
+
+
+class _StageModule(nn.Module):
+    """What torch's PipelineStage runs: the user's ``forward`` on this rank's pruned module.
+
+    torch only moves tensors, so the user's inputs (any pytree) stay here, looked up by the
+    micro-batch's sample indices that travel as the ``mb`` keyword; the last stage keeps the real
+    output (any pytree) for the user's step and gives torch its tensors.
+    """
+
+    def __init__(self, module: nn.Module, is_last: bool) -> None:
+        super().__init__()
+        self.module = module
+        self.is_last = is_last
+        self.inputs: list[tuple[tuple, dict]] = []
+        self.outputs: dict[int, Any] = {}
+        self.mb_size = 1
+
+    def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
+        index = int(mb[0]) // self.mb_size
+        args, kwargs = self.inputs[index]
+        if received:
+            # the previous stage's activations replace the leading inputs of the user's call
+            args = tuple(received) + tuple(args[len(received) :])
+        out = type(self.module).forward(self.module, *args, **kwargs)
+        if self.is_last:
+            self.outputs[index] = out
+            tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+            return tensors or torch.zeros(())
+        if isinstance(out, torch.Tensor) or (
+            isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out)
+        ):
+            return out
+        raise PipelineConfigError(
+            f"forward returned {type(out).__name__} on a stage that is not the last; a stage must hand the next"
+            " one a tensor (or a tuple of tensors): return the hidden state when the later parts are None."
+        )
+
+
+class _Pipe:
+    def __init__(self, stage: PipelineStage, schedule: PipelineScheduleSingle) -> None:
+        self.stage = stage
+        self.schedule = schedule
+
+    @property
+    def initialized(self) -> bool:
+        """False while torch runs shape inference (whose loss call must have no side effects)."""
+        return bool(self.schedule._stage_forward_initialized) and (
+            not self.schedule._has_backward or bool(self.schedule._stage_backward_initialized)
+        )
+
+
+class PipelineRunner:
+    """Runs the user's steps through torch's schedule on this rank's stage."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        stage_index: int,
+        n_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup | None,
+        schedule: str,
+        n_microbatches: int,
+    ) -> None:
+        self.module = module
+        self.stage_index = stage_index
+        self.n_stages = n_stages
+        self.device = device
+        self.group = group
+        self.schedule_name = schedule
+        self.n_microbatches = n_microbatches
+        self.is_last = stage_index == n_stages - 1
+        self._wrapper = _StageModule(module, self.is_last)
+        self._pipes: OrderedDict[tuple, _Pipe] = OrderedDict()
+        self._current: _Pipe | None = None
+        # per-step state used by the last stage's loss function
+        self._step: Callable[..., Any] | None = None
+        self._step_rest: tuple = ()
+        self._step_kwargs: dict = {}
+        self._microbatches: list[Any] = []
+        self._losses: dict[int, torch.Tensor] = {}
+        self._recorder = LogRecorder()
+        self._loss_scale = 1.0
+
+    def run(
+        self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0
+    ) -> StepReport | None:
+        """One step of ``hook`` (``training_step``, ``validation_step``, ...) over the whole batch.
+
+        ``loss_scale`` multiplies each micro-batch loss before backward (1 / (m x accumulation)).
+        Returns the step's report on the last stage, None elsewhere.
+        """
+        step = getattr(self.module, hook)
+        batch, rest = args[0], tuple(args[1:])
+        microbatches = split_batch(batch, self.n_microbatches)
+        self._wrapper.inputs = [
+            capture_model_inputs(self.module, step, (mb, *rest), kwargs, hook) for mb in microbatches
+        ]
+        rows = batch_size_of(batch)
+        self._wrapper.mb_size = rows // self.n_microbatches
+        self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
+        self._microbatches, self._losses, self._loss_scale = microbatches, {}, loss_scale
+        self._recorder = LogRecorder()
+        self._recorder.weight = float(self._wrapper.mb_size)
+
+        pipe = self._pipe(train, signature(batch))
+        self._current = pipe
+        sample_index = torch.arange(rows)
+        target = sample_index if self.is_last else None
+        try:
+            with failures_shared(dist.get_rank(), dist.get_world_size()):
+                if train:
+                    pipe.schedule.step(mb=sample_index, target=target, return_outputs=False)
+                else:
+                    pipe.schedule.eval(mb=sample_index, target=target)
+        finally:
+            self._wrapper.outputs.clear()
+            self._microbatches = []
+            self._step = None
+        if not self.is_last:
+            return None
+        losses = [self._losses[i] for i in sorted(self._losses)]
+        loss = torch.stack(losses).mean() if losses and len(losses) == self.n_microbatches else None
+        return StepReport(loss, combine(self._recorder.records))
+
+    def _pipe(self, train: bool, shape_key: tuple) -> _Pipe:
+        """One stage and schedule per batch signature and mode: torch freezes shapes at first use."""
+        key = (train, shape_key)
+        pipe = self._pipes.get(key)
+        if pipe is None:
+            stage = PipelineStage(self._wrapper, self.stage_index, self.n_stages, self.device, group=self.group)
+            schedule = schedule_class(self.schedule_name)(
+                stage, self.n_microbatches, loss_fn=self._last_stage_loss, scale_grads=False
+            )
+            pipe = self._pipes[key] = _Pipe(stage, schedule)
+            while len(self._pipes) > _MAX_CACHED_SHAPES:
+                self._pipes.popitem(last=False)
+        self._pipes.move_to_end(key)
+        return pipe
+
+    def _last_stage_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
+        assert self._current is not None
+        if not self._current.initialized:
+            return _shape_inference_loss(output)
+        index = int(target[0]) // self._wrapper.mb_size
+        result = self._user_step(index, self._wrapper.outputs.pop(index))
+        loss = _loss_of(result)
+        if loss is None:
+            if self._current.schedule._has_backward:
+                raise PipelineConfigError(
+                    f"training_step returned {type(result).__name__}; under the pipeline it must return the loss"
+                    " (a tensor, or a dict with a 'loss' key) on every micro-batch: skipping a step is not supported."
+                )
+            return torch.zeros((), device=self.device)
+        self._losses[index] = loss.detach()
+        return loss * self._loss_scale
+
+    def _user_step(self, index: int, output: Any) -> Any:
+        assert self._step is not None
+        served: list[bool] = []
+
+        def serve(*_: Any, **__: Any) -> Any:
+            if served:
+                raise PipelineConfigError(
+                    f"{type(self.module).__name__}.{self._step.__name__} calls the model more than once; under the"  # type: ignore[union-attr]
+                    " pipeline the step must call self(...) exactly once per batch."
+                )
+            served.append(True)
+            return output
+
+        with patched(self.module, forward=serve, log=self._recorder):
+            return self._step(self._microbatches[index], *self._step_rest, **self._step_kwargs)
+
+
+def _loss_of(result: Any) -> torch.Tensor | None:
+    if isinstance(result, torch.Tensor):
+        return result
+    if isinstance(result, dict) and isinstance(result.get("loss"), torch.Tensor):
+        return result["loss"]
+    return None
+
+
+def _shape_inference_loss(output: Any) -> torch.Tensor:
+    """A loss with the right graph but no side effects, for torch's metadata pass over uninitialised data."""
+    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        return torch.zeros(())
+    return sum(t.float().sum() for t in tensors)  # type: ignore[return-value]

@@ -1,0 +1,456 @@
+"""``PipelineStrategy``: the Lightning hooks, each delegating to a plain function or the runner."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _set_num_threads_if_needed,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.data import _update_dataloader
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch.utils._pytree import tree_flatten
+from typing_extensions import override
+
+from lightning_pp.checkpoint import OptimizerLayout, gather_model_state, gather_optimizer_state, keep_local_parameters
+from lightning_pp.clipping import clip_by_global_norm
+from lightning_pp.microbatch import batch_size_of, capture_model_inputs, split_batch
+from lightning_pp.partition import Balance, resolve_balance
+from lightning_pp.relay import broadcast_report, replay
+from lightning_pp.schedule import check_batch_size, check_microbatches, default_microbatches, normalize_schedule
+from lightning_pp.stage import (
+    PipelineConfigError,
+    Placement,
+    find_layers,
+    plan_placement,
+    prune_to_stage,
+    trace_forward,
+)
+from lightning_pp.step import PipelineRunner
+
+class PipelineStrategy(ParallelStrategy):
+    """Pipeline parallelism for an unchanged LightningModule whose layers sit in an ``nn.ModuleDict``.
+
+    Every rank is one stage (for now); stage ``s`` keeps the ``s``-th run of consecutive layers,
+    parts used before the layers live on the first stage and parts used after them on the last.
+    The user's own step methods compute the loss and log on the last stage, once per micro-batch;
+    what they log reaches every rank as one process would have logged it.
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        schedule: str = "1f1b",
+        n_microbatches: Optional[int] = None,
+        pipeline_parallel_size: Optional[int] = None,
+        layers: str = "layers",
+        balance: Balance = None,
+        stages_per_rank: int = 1,
+        activation_checkpointing: bool = False,
+        state_dict_type: Literal["full", "sharded"] = "full",
+        timeout: Optional[Union[timedelta, float]] = None,
+        process_group_backend: Optional[str] = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.schedule = normalize_schedule(schedule)
+        if n_microbatches is not None:
+            check_microbatches(self.schedule, int(n_microbatches), 1)
+        if stages_per_rank != 1:
+            raise NotImplementedError(
+                f"stages_per_rank={stages_per_rank} is planned (issue 7: interleaved and V schedules); use 1 for now."
+            )
+        if activation_checkpointing:
+            raise NotImplementedError(
+                "activation_checkpointing=True is planned (issue 7); use activation_checkpointing=False for now."
+            )
+        if state_dict_type == "sharded":
+            raise NotImplementedError(
+                "state_dict_type='sharded' is planned (issue 4: sharded checkpoints); use 'full' for now."
+            )
+        if state_dict_type != "full":
+            raise PipelineConfigError(f"Unknown state_dict_type={state_dict_type!r}; use 'full' (or 'sharded', planned).")
+        if isinstance(balance, str):
+            resolve_balance(balance, 1, 1)  # reject unknown and planned modes now, not at the first batch
+        self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
+        self.pipeline_parallel_size = pipeline_parallel_size
+        self.layers = layers
+        self.balance = balance
+        self.stages_per_rank = stages_per_rank
+        self.activation_checkpointing = activation_checkpointing
+        self.state_dict_type = state_dict_type
+        if isinstance(timeout, (int, float)):
+            timeout = timedelta(seconds=timeout)
+        self._timeout: timedelta = timeout or default_pg_timeout
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._placement: Optional[Placement] = None
+        self._runner: Optional[PipelineRunner] = None
+        self._state_keys: list[str] = []
+        self._optimizer_layouts: list[OptimizerLayout] = []
+        self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
+        self._replace_random_samplers = True
+
+    # ------------------------------------------------------------------ processes and devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def n_stages(self) -> int:
+        return self.world_size
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of the one pipeline must see the same batches
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        self.set_world_ranks()
+        if self.pipeline_parallel_size is not None and self.pipeline_parallel_size != self.world_size:
+            raise NotImplementedError(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} with {self.world_size} processes would need data"
+                " parallelism across pipeline replicas, which is planned (issue 5); leave pipeline_parallel_size=None"
+                f" or set it to the world size ({self.world_size})."
+            )
+        super().setup_environment()
+        if self.root_device.type == "cpu":
+            # Lightning's launcher sets OMP_NUM_THREADS only after spawning the other ranks
+            _set_num_threads_if_needed(self.num_processes)
+        reset_seed()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        module = self.lightning_module
+        assert module is not None and self.accelerator is not None
+        self._check_module(module, trainer)
+        # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); one pipeline
+        # replica keeps the user's order instead, see process_dataloader
+        self._replace_random_samplers = trainer._accelerator_connector.use_distributed_sampler
+        trainer._accelerator_connector.use_distributed_sampler = False
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(module)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        clip_by_global_norm(self.precision_plugin, None)
+        if trainer.state.fn == TrainerFn.FITTING:
+            from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if self._placement is not None:  # the module was pruned by an earlier fit/validate/test
+            self._keep_local_parameters()
+
+    def _check_module(self, module: LightningModule, trainer: Trainer) -> None:
+        """Everything checkable before the first batch, on every rank, before any collective."""
+        if not module.automatic_optimization:
+            raise PipelineConfigError(
+                "automatic_optimization=False (manual optimization) is not supported by PipelineStrategy: the"
+                " strategy runs forward and backward itself. Use automatic optimization."
+            )
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed":
+            raise NotImplementedError(
+                "precision='16-mixed' under the pipeline needs a loss scaler shared by all stages, which is planned;"
+                " use precision='bf16-mixed' or '32-true'."
+            )
+        if self._placement is None:
+            n_layers = len(find_layers(module, self.layers))
+            if not isinstance(self.balance, str):
+                resolve_balance(self.balance, n_layers, self.n_stages)
+            else:
+                resolve_balance("uniform", n_layers, self.n_stages)
+        if self.n_microbatches is not None:
+            check_microbatches(self.schedule, self.n_microbatches, self.n_stages)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # ------------------------------------------------------------------ the pipelined steps
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        trainer = self.lightning_module.trainer
+        scale = 1.0 / (self._microbatches_for(args[0]) * trainer.accumulate_grad_batches)
+        params = [p for p in self.lightning_module.parameters() if p.requires_grad]
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        try:
+            with self.precision_plugin.train_step_context():
+                loss = self._pipelined("training_step", args, kwargs, train=True, loss_scale=scale)
+            # Lightning zeroes gradients between training_step and backward: keep this step's aside
+            self._step_grads = [(p, p.grad) for p in params]
+        finally:
+            for p, g in zip(params, earlier):
+                p.grad = g
+        return loss
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        """The schedule already ran backward inside ``training_step``: add its gradients, run the hooks."""
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
+        for p, grad in self._step_grads:
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad + grad
+        self._step_grads = []
+        closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            self._pipelined("validation_step", args, kwargs, train=False)
+        return None
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            self._pipelined("test_step", args, kwargs, train=False)
+        return None
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "trainer.predict under PipelineStrategy is planned (issue 4); predict on one process from a checkpoint."
+        )
+
+    def _pipelined(self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0) -> Optional[Tensor]:
+        runner = self._ensure_pipeline(hook, args, kwargs)
+        report = runner.run(hook, args, kwargs, train=train, loss_scale=loss_scale)
+        report = broadcast_report(report, src=self.n_stages - 1, group=None)
+        replay(self.lightning_module.log, report.logs, self.root_device)
+        return None if report.loss is None else report.loss.to(self.root_device)
+
+    def _microbatches_for(self, batch: Any) -> int:
+        if self.n_microbatches is None:
+            self.n_microbatches = default_microbatches(batch_size_of(batch), self.n_stages)
+            check_microbatches(self.schedule, self.n_microbatches, self.n_stages)
+        return self.n_microbatches
+
+    def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
+        """At the first batch: learn the module's structure from one forward, then prune to this stage."""
+        m = self._microbatches_for(args[0])
+        if self._runner is not None:
+            return self._runner
+        module = self.lightning_module
+        if self._placement is None:
+            first = split_batch(args[0], m)[0]
+            inputs, kw = capture_model_inputs(module, getattr(module, hook), (first, *args[1:]), kwargs, hook)
+            trace = trace_forward(module, self.layers, lambda: type(module).forward(module, *inputs, **kw))
+            self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace)
+            rank_zero_info(self._placement.describe(module))
+            self._state_keys = list(module.state_dict().keys())
+            prune_to_stage(module, self._placement, self.global_rank)
+            _guard_forward(module, self._placement, self.global_rank)
+            self._keep_local_parameters()
+        self._runner = PipelineRunner(
+            module, self.global_rank, self.n_stages, self.root_device, None, self.schedule, m
+        )
+        return self._runner
+
+    def _keep_local_parameters(self) -> None:
+        local = {id(p) for p in self.lightning_module.parameters()}
+        self._optimizer_layouts = [
+            keep_local_parameters(_unwrap(opt), local) for opt in self.optimizers
+        ]
+
+    # ------------------------------------------------------------------ data
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        """Every stage must draw the same batches: a RandomSampler on the global RNG may not."""
+        if (
+            self._replace_random_samplers
+            and isinstance(dataloader, DataLoader)
+            and type(dataloader.sampler) is RandomSampler
+            and dataloader.sampler.generator is None
+        ):
+            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
+            sampler = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
+            return _update_dataloader(dataloader, sampler)
+        return dataloader
+
+    @override
+    def on_train_start(self) -> None:
+        self._check_loaders("training", self.lightning_module.trainer.train_dataloader)
+
+    @override
+    def on_validation_start(self) -> None:
+        self._check_loaders("validation", self.lightning_module.trainer.val_dataloaders)
+
+    @override
+    def on_test_start(self) -> None:
+        self._check_loaders("test", self.lightning_module.trainer.test_dataloaders)
+
+    def _check_loaders(self, kind: str, loaders: Any) -> None:
+        """Report batches that cannot be split before any rank starts the schedule."""
+        for loader in tree_flatten(loaders)[0]:
+            size = getattr(loader, "batch_size", None)
+            if not isinstance(size, int):
+                continue
+            if self.n_microbatches is None:
+                self._microbatches_for(torch.empty(size))
+            assert self.n_microbatches is not None
+            check_batch_size(size, self.n_microbatches, f"The {kind} DataLoader's batch_size={size}")
+            try:
+                samples = len(loader.sampler)
+            except TypeError:
+                continue
+            last = samples % size
+            if last and not getattr(loader, "drop_last", False):
+                check_batch_size(
+                    last, self.n_microbatches, f"The last {kind} batch ({samples} samples, batch_size={size})"
+                )
+
+    # ------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Union[Tensor, Any]:
+        """``sync_dist`` reduces over the data-parallel replicas; a pure pipeline has one, so nothing to do.
+
+        Replayed logs hold the same value on every rank, and a world-wide reduce would wrongly sum stages.
+        """
+        if group is not None and isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Called on every rank (EarlyStopping, ModelCheckpoint): combine over the whole world."""
+        if not _distributed_is_initialized():
+            return decision
+        votes = torch.tensor(int(decision), device=self.root_device)
+        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+        return bool(votes == self.world_size) if all else bool(votes)
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._placement is None:
+            return super().lightning_module_state_dict()
+        return gather_model_state(self.lightning_module, self._state_keys, None)
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        optimizer = _unwrap(optimizer)
+        if self._placement is None:
+            return optimizer.state_dict()
+        layout = self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
+        return gather_optimizer_state(optimizer, layout, None)
+
+    @override
+    def teardown(self) -> None:
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self._runner = None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        strategy_registry.register(
+            "pipeline", cls, description="Pipeline parallelism with the 1F1B schedule", schedule="1f1b"
+        )
+        strategy_registry.register(
+            "pipeline_gpipe", cls, description="Pipeline parallelism with the GPipe schedule", schedule="gpipe"
+        )
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+
+
+def _guard_forward(module: LightningModule, placement: Placement, stage: int) -> None:
+    """After pruning, calling the module outside the pipeline must fail loudly, not compute garbage."""
+    layers = placement.layers_of(stage)
+
+    def pruned_forward(*_: Any, **__: Any) -> Any:
+        raise RuntimeError(
+            f"This {type(module).__name__} holds only pipeline stage {stage} of {placement.n_stages} (layers"
+            f" {layers[0]}..{layers[-1]} of '{placement.layers_path}'); the other parts are None on this rank."
+            f" Load a checkpoint into a fresh module on one process instead, e.g."
+            f" {type(module).__name__}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."
+        )
+
+    module.forward = pruned_forward  # type: ignore[method-assign]

@@ -1,0 +1,108 @@
+"""One training job, pipelined or plain, that writes what the tests compare.
+
+``python tests/job.py '<json config>'`` runs it (Lightning's launcher re-runs this command for the
+other ranks); the tests also call ``run`` in-process for one-process references.
+Every rank writes ``rank{r}.json`` (logged values it saw, thread count); rank 0 also writes the
+final checkpoint ``final.ckpt`` and ``initial.pt``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers.logger import Logger
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning_pp  # noqa: E402,F401
+from models import TinyGPT, loader  # noqa: E402
+
+
+class MemoryLogger(Logger):
+    """Keeps what Lightning sends to loggers (rank 0 only, as for every logger)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
+
+
+class Seen(Callback):
+    """What ``trainer.callback_metrics`` holds on this rank after each batch and validation."""
+
+    def __init__(self) -> None:
+        self.train: list[dict[str, float]] = []
+        self.val: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer, *args: Any) -> None:
+        self.train.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("train")})
+
+    def on_validation_epoch_end(self, trainer, *args: Any) -> None:
+        if not trainer.sanity_checking:
+            self.val.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
+
+
+def run(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
+    L.seed_everything(cfg.get("seed", 0), verbose=False)
+    model = TinyGPT(n_layers=cfg.get("n_layers", 4), optimizer=cfg.get("optimizer", "adamw"),
+                    sync_dist=cfg.get("sync_dist", False))
+    batch = cfg.get("batch", 8)
+    train = loader(cfg.get("n_train", 64), batch, seed=0)
+    val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1)
+    if cfg["strategy"] == "single":
+        strategy: Any = "auto"
+        devices = 1
+    else:
+        strategy = lightning_pp.PipelineStrategy(
+            schedule=cfg.get("schedule", "1f1b"), n_microbatches=cfg.get("m"), layers="net.blocks",
+            balance=cfg.get("balance"), timeout=cfg.get("timeout", 60),
+        )
+        devices = cfg["devices"]
+    logger, seen = MemoryLogger(), Seen()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("max_steps", -1),
+        max_epochs=cfg.get("max_epochs", 1), limit_val_batches=cfg.get("limit_val_batches"),
+        gradient_clip_val=cfg.get("clip"), accumulate_grad_batches=cfg.get("accumulate", 1),
+        precision=cfg.get("precision", "32-true"), logger=logger, callbacks=[seen], log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=cfg.get("sanity", 2),
+    )
+    if trainer.global_rank == 0:
+        torch.save(model.state_dict(), out / "initial.pt")
+    trainer.fit(model, train, val)
+    trainer.save_checkpoint(out / "final.ckpt")
+    result = {"rank": trainer.global_rank, "logged": logger.rows, "train": seen.train, "val": seen.val,
+              "threads": torch.get_num_threads(), "world": trainer.world_size}
+    if cfg.get("test"):
+        trainer.validate(model, val, verbose=False)
+        result["validate"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    run(json.loads(sys.argv[1]))

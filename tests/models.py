@@ -1,0 +1,96 @@
+"""LightningModules for the tests, in shapes the example does not have.
+
+``TinyGPT`` keeps its layers at a dotted path (``net.blocks``), takes dict batches, has a loose
+position Parameter used before the layers and a loss module forward never calls.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.ff(self.norm(h))
+
+
+class Net(nn.Module):
+    def __init__(self, vocab: int, dim: int, n_layers: int, seq: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1)
+        self.blocks = nn.ModuleDict({f"b{i}": Block(dim) for i in range(n_layers)})
+        self.head = nn.Linear(dim, vocab)
+
+
+class TinyGPT(L.LightningModule):
+    def __init__(self, vocab: int = 32, dim: int = 32, n_layers: int = 4, seq: int = 8, lr: float = 1e-2,
+                 optimizer: str = "adamw", sync_dist: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = Net(vocab, dim, n_layers, seq)
+        self.final_norm = nn.LayerNorm(dim)
+        self.criterion = nn.CrossEntropyLoss()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = tokens
+        if self.net.embed is not None:
+            h = self.net.embed(tokens) + self.net.pos[: tokens.shape[1]]
+        for block in self.net.blocks.values():
+            h = block(h)
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        return self.net.head(h) if self.net.head is not None else h
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        logits = self(batch["tokens"])
+        return self.criterion(logits.flatten(0, 1), batch["targets"].flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True, sync_dist=self.hparams.sync_dist)
+        self.log("train_max", loss, reduce_fx="max", on_step=True, on_epoch=False)
+        return {"loss": loss}
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=self.hparams.sync_dist)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr
+        )
+
+
+class Tokens(Dataset):
+    """Random sequences whose targets are a fixed function of the tokens (learnable, no download)."""
+
+    def __init__(self, n: int, seq: int = 8, vocab: int = 32, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(0, vocab, (n, seq), generator=g)
+        self.targets = (self.tokens * 7 + 3) % vocab
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"tokens": self.tokens[i], "targets": self.targets[i]}
+
+
+def loader(n: int, batch_size: int, seed: int = 0, seq: int = 8, vocab: int = 32) -> DataLoader:
+    return DataLoader(Tokens(n, seq, vocab, seed), batch_size=batch_size, shuffle=False)
