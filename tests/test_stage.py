@@ -1,0 +1,132 @@
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from gpt import GPT  # noqa: E402
+from models import TinyGPT  # noqa: E402
+
+from lightning_pp.stage import PipelineConfigError, find_layers, plan_placement, prune_to_stage, trace_forward  # noqa: E402
+
+
+def place(module, path, n_stages, inputs, balance=None):
+    trace = trace_forward(module, path, lambda: module(inputs))
+    return plan_placement(module, path, n_stages, balance, trace)
+
+
+class HeadFirst(nn.Module):
+    """Attribute order says head, norm, layers, embedding; forward order says the opposite."""
+
+    def __init__(self, mid: bool = False) -> None:
+        super().__init__()
+        self.head = nn.Linear(8, 5)
+        self.norm = nn.LayerNorm(8)
+        self.layers = nn.ModuleDict({str(i): nn.Linear(8, 8) for i in range(4)})
+        self.mid = nn.LayerNorm(8) if mid else None
+        self.embed = nn.Embedding(5, 8)
+        self.drop = nn.Dropout(0.0)
+        self.loss_fn = nn.CrossEntropyLoss()
+
+    def forward(self, x):
+        h = self.drop(self.embed(x)) if self.embed is not None else x
+        for key, layer in self.layers.items():
+            h = layer(h)
+            if key == "1" and self.mid is not None:
+                h = self.mid(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.head(h) if self.head is not None else h
+
+
+def test_parts_are_placed_by_forward_order_not_attribute_order():
+    p = place(HeadFirst(), "layers", 2, torch.zeros(2, 3, dtype=torch.long))
+    assert p.parts["embed"] == (0,) and p.parts["drop"] == (0,)
+    assert p.parts["norm"] == (1,) and p.parts["head"] == (1,)
+    assert p.parts["loss_fn"] == (1,)  # forward never calls it: the last stage, where the step runs
+    assert p.layers_of(0) == ["0", "1"] and p.layers_of(1) == ["2", "3"]
+
+
+def test_a_part_between_layers_follows_the_layer_before_it():
+    p = place(HeadFirst(mid=True), "layers", 4, torch.zeros(2, 3, dtype=torch.long))
+    assert p.parts["mid"] == (1,)
+
+
+def test_nested_layers_loose_parameter_and_unused_loss_module():
+    model = TinyGPT(n_layers=4)
+    p = place(model, "net.blocks", 2, torch.zeros(2, 8, dtype=torch.long))
+    assert p.parts == {"final_norm": (1,), "criterion": (1,), "net.embed": (0,), "net.head": (1,)}
+    assert p.params == {"net.pos": (0,)}
+
+
+def test_prune_keeps_names_and_splits_every_parameter_once():
+    full = GPT(n_layers=4)
+    keys = set(full.state_dict())
+    p = place(full, "layers", 2, torch.zeros(2, 8, dtype=torch.long))
+    stages = []
+    for s in range(2):
+        module = GPT(n_layers=4)
+        module.load_state_dict(full.state_dict())
+        prune_to_stage(module, p, s)
+        stages.append(module.state_dict())
+    assert set(stages[0]).isdisjoint(stages[1])
+    assert set(stages[0]) | set(stages[1]) == keys
+    assert "tok_embeddings.weight" in stages[0] and "output.weight" in stages[1]
+    assert "layers.3.layer.linear1.weight" in stages[1]
+
+
+def test_balance_parameters_moves_layers_away_from_a_heavy_head():
+    model = GPT(vocab=64, dim=32, n_layers=8, n_heads=4)
+    model.output = nn.Linear(32, 20000)  # a vocabulary head far heavier than the embedding
+    p = place(model, "layers", 2, torch.zeros(1, 4, dtype=torch.long), balance="parameters")
+    assert p.counts[0] > p.counts[1]
+    assert place(model, "layers", 2, torch.zeros(1, 4, dtype=torch.long)).counts == (4, 4)
+
+
+def test_tied_embedding_and_head_are_refused():
+    model = GPT(n_layers=2)
+    model.output.weight = model.tok_embeddings.weight
+    with pytest.raises(PipelineConfigError, match=r"tied weights.*Untie"):
+        place(model, "layers", 2, torch.zeros(1, 4, dtype=torch.long))
+
+
+def test_a_parameter_used_on_two_stages_is_refused():
+    class Shared(HeadFirst):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(8))
+
+        def forward(self, x):
+            h = self.embed(x) * self.scale
+            for layer in self.layers.values():
+                h = layer(h)
+            return self.head(self.norm(h) * self.scale)
+
+    with pytest.raises(PipelineConfigError, match=r"'scale' is used on stages \[0, 1\]"):
+        place(Shared(), "layers", 2, torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_layers_called_out_of_dict_order_are_refused():
+    class Reversed(HeadFirst):
+        def forward(self, x):
+            h = self.embed(x)
+            for layer in reversed(list(self.layers.values())):
+                h = layer(h)
+            return self.head(h)
+
+    with pytest.raises(PipelineConfigError, match=r"in the order \['3', '2', '1', '0'\]"):
+        place(Reversed(), "layers", 2, torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_find_layers_errors_name_the_value_and_the_fix():
+    model = GPT(n_layers=2)
+    with pytest.raises(PipelineConfigError, match=r"layers='blocks'.*has no attribute 'blocks'.*tok_embeddings"):
+        find_layers(model, "blocks")
+    model.layers = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(PipelineConfigError, match=r"is a ModuleList, not an nn.ModuleDict.*nn.ModuleDict\("):
+        find_layers(model, "layers")
+    with pytest.raises(PipelineConfigError, match=r"layers='norm' is a LayerNorm"):
+        find_layers(model, "norm")

@@ -1,0 +1,118 @@
+"""The pure pieces of a pipelined step: splitting, capture, log combination, schedule checks."""
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pp.microbatch import capture_model_inputs, split_batch
+from lightning_pp.relay import LogRecord, LogRecorder, combine
+from lightning_pp.schedule import (
+    check_batch_size,
+    check_microbatches,
+    default_microbatches,
+    normalize_schedule,
+    schedule_class,
+)
+from lightning_pp.stage import PipelineConfigError
+
+
+def test_split_dict_batch_replicates_non_tensor_leaves():
+    batch = {"x": torch.arange(8).view(8, 1), "meta": "train", "n": torch.tensor(3), "pair": (torch.ones(8, 2), 5)}
+    parts = split_batch(batch, 4)
+    assert len(parts) == 4
+    assert parts[1]["x"].flatten().tolist() == [2, 3]
+    assert parts[3]["meta"] == "train" and parts[3]["n"].item() == 3 and parts[3]["pair"][1] == 5
+    assert parts[0]["pair"][0].shape == (2, 2)
+
+
+def test_split_rejects_leaves_of_another_length_naming_them():
+    with pytest.raises(PipelineConfigError, match=r"\['w'\] has 3 rows but the batch has 8"):
+        split_batch({"x": torch.zeros(8), "w": torch.zeros(3)}, 2)
+
+
+@pytest.mark.parametrize("size,m", [(10, 4), (2, 4)])
+def test_batches_that_do_not_split_name_the_fix(size, m):
+    with pytest.raises(PipelineConfigError, match=rf"{size} samples.*n_microbatches={m}.*drop_last=True"):
+        split_batch(torch.zeros(size, 3), m)
+
+
+def test_default_microbatches_is_the_largest_divisor_within_bounds():
+    assert default_microbatches(32, 2) == 8
+    assert default_microbatches(24, 4) == 12
+    assert default_microbatches(7, 2) == 7
+    with pytest.raises(PipelineConfigError, match="no divisor of 11 lies between 2 and 8"):
+        default_microbatches(11, 2)
+
+
+def test_schedule_names():
+    assert normalize_schedule("GPipe") == "gpipe" and normalize_schedule("Schedule1F1B") == "1f1b"
+    assert schedule_class("1F1B").__name__ == "Schedule1F1B"
+    with pytest.raises(PipelineConfigError, match=r"Unknown schedule='pipedream'; valid schedules are \['1f1b', 'gpipe'\]"):
+        normalize_schedule("pipedream")
+    with pytest.raises(NotImplementedError, match="issue 7"):
+        normalize_schedule("ZBV")
+
+
+def test_1f1b_needs_as_many_microbatches_as_stages():
+    check_microbatches("gpipe", 2, 4)
+    with pytest.raises(PipelineConfigError, match=r"n_microbatches=2 and there are 4 stages; use n_microbatches=4"):
+        check_microbatches("1f1b", 2, 4)
+    with pytest.raises(PipelineConfigError, match="must be a positive integer"):
+        check_microbatches("gpipe", 0, 2)
+    with pytest.raises(PipelineConfigError, match="The last batch has 8 samples"):
+        check_batch_size(8, 3, "The last batch")
+
+
+def test_capture_stops_at_the_model_call_and_discards_earlier_logs():
+    class M(nn.Module):
+        def forward(self, x, scale=1.0):
+            raise AssertionError("the real forward must not run")
+
+        def log(self, *args, **kwargs):
+            raise AssertionError("logging is discarded while capturing")
+
+        def step(self, batch, idx):
+            self.log("before", 1.0)
+            return self(batch["x"] * 2, scale=0.5).sum()
+
+    module = M()
+    args, kwargs = capture_model_inputs(module, module.step, ({"x": torch.ones(2)}, 0), {}, "step")
+    assert torch.equal(args[0], torch.full((2,), 2.0)) and kwargs == {"scale": 0.5}
+
+    class Never(M):
+        def step(self, batch, idx):
+            return torch.zeros(())
+
+    never = Never()
+    with pytest.raises(PipelineConfigError, match="never calls the model"):
+        capture_model_inputs(never, never.step, ({}, 0), {}, "training_step")
+
+
+def test_logs_combine_over_microbatches_by_reduce_fx():
+    recorder = LogRecorder()
+    for value in (1.0, 3.0):
+        recorder.weight = 2.0
+        recorder("loss", torch.tensor(value), prog_bar=True)
+        recorder("n", value, reduce_fx="sum")
+        recorder("hi", torch.tensor(value), reduce_fx=torch.max)
+        recorder("lo", torch.tensor(value), reduce_fx="min")
+    out = {r.name: r for r in combine(recorder.records)}
+    assert out["loss"].value.item() == 2.0 and out["loss"].options["prog_bar"] is True
+    assert out["n"].value.item() == 4.0 and out["hi"].value.item() == 3.0 and out["lo"].value.item() == 1.0
+
+
+def test_explicit_batch_sizes_weight_the_mean_and_add_up():
+    records = [
+        LogRecord("acc", torch.tensor(1.0), {"reduce_fx": "mean", "batch_size": 3}, 3.0),
+        LogRecord("acc", torch.tensor(0.0), {"reduce_fx": "mean", "batch_size": 1}, 1.0),
+    ]
+    (out,) = combine(records)
+    assert out.value.item() == pytest.approx(0.75) and out.options["batch_size"] == 4
+
+
+def test_unsupported_log_values_and_reductions_are_named():
+    recorder = LogRecorder()
+    with pytest.raises(ValueError, match=r"reduce_fx=<built-in function len>"):
+        recorder("x", 1.0, reduce_fx=len)
+    with pytest.raises(TypeError, match=r"self.log\('x', str\)"):
+        recorder("x", "text")
