@@ -68,7 +68,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = TinyGPT(n_layers=cfg.get("n_layers", 4), optimizer=cfg.get("optimizer", "adamw"),
+    model = TinyGPT(n_layers=cfg.get("n_layers", 4), optimizer=cfg.get("optimizer", "adamw"), lr=cfg.get("lr", 1e-2),
                     sync_dist=cfg.get("sync_dist", False))
     batch = cfg.get("batch", 8)
     train = loader(cfg.get("n_train", 64), batch, seed=0)

@@ -1,0 +1,78 @@
+"""Helpers for tests that run real multi-process jobs (``tests/job.py``) and one-process references."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+
+def child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+class Job:
+    def __init__(self, proc: subprocess.CompletedProcess, out: Path, seconds: float) -> None:
+        self.returncode = proc.returncode
+        self.output = proc.stdout
+        self.out = out
+        self.seconds = seconds
+
+    def rank(self, r: int) -> dict[str, Any]:
+        return json.loads((self.out / f"rank{r}.json").read_text())
+
+    def state(self, name: str = "final.ckpt") -> dict[str, torch.Tensor]:
+        return torch.load(self.out / name, weights_only=False)["state_dict"]
+
+
+def run_job(cfg: dict[str, Any], out: Path, timeout: float = 180, command: list[str] | None = None) -> Job:
+    """Run tests/job.py as a real multi-process Lightning job (its launcher starts the other ranks)."""
+    cfg = {**cfg, "out": str(out)}
+    command = command or [sys.executable, str(HERE / "job.py")]
+    start = time.monotonic()
+    proc = subprocess.run(
+        [*command, json.dumps(cfg)], cwd=out.parent, env=child_env(), capture_output=True, text=True,
+        timeout=timeout,
+    )
+    job = Job(proc, out, time.monotonic() - start)
+    job.output = proc.stdout + proc.stderr
+    return job
+
+
+def ok(job: Job) -> Job:
+    assert job.returncode == 0, job.output[-4000:]
+    return job
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """One-process plain-Lightning runs of tests/job.py, cached by config."""
+    import job as job_module
+
+    cache: dict[str, dict[str, Any]] = {}
+
+    def run(**cfg: Any) -> dict[str, Any]:
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("ref")
+            result = job_module.run({**cfg, "strategy": "single", "threads": 1, "out": str(out)})
+            result["state"] = torch.load(out / "final.ckpt", weights_only=False)["state_dict"]
+            result["initial"] = torch.load(out / "initial.pt")
+            cache[key] = result
+        return cache[key]
+
+    return run
