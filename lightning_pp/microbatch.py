@@ -10,7 +10,8 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
 from lightning_pp.schedule import check_batch_size
-from lightning_pp.stage import PipelineConfigError, patched
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.stage import patched
 
 
 def batch_size_of(batch: Any) -> int:

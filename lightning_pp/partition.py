@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Union
 
+from lightning_pp.errors import PipelineConfigError
+
 Balance = Union[None, str, Sequence[int]]
 
 BALANCE_MODES = ("uniform", "parameters")
@@ -88,20 +90,20 @@ def resolve_balance(
                 f"balance={balance!r} is planned ({PLANNED_BALANCE_MODES[mode]}) and not available yet;"
                 f" use one of {list(BALANCE_MODES)} or a list of layer counts per stage."
             )
-        raise ValueError(
+        raise PipelineConfigError(
             f"Unknown balance={balance!r}. Use one of {list(BALANCE_MODES)} or a list of layer counts"
             f" per stage such as {uniform_split(n_layers, n_stages)}."
         )
     counts = [int(c) for c in balance]
     if len(counts) != n_stages:
-        raise ValueError(
+        raise PipelineConfigError(
             f"balance={list(balance)} has {len(counts)} entries but the pipeline has {n_stages} stages;"
             f" give one layer count per stage, e.g. {uniform_split(n_layers, n_stages)}."
         )
     if any(c < 1 for c in counts):
-        raise ValueError(f"balance={list(balance)} gives a stage no layers; every stage needs at least one.")
+        raise PipelineConfigError(f"balance={list(balance)} gives a stage no layers; every stage needs at least one.")
     if sum(counts) != n_layers:
-        raise ValueError(
+        raise PipelineConfigError(
             f"balance={list(balance)} sums to {sum(counts)} but the model has {n_layers} layers;"
             f" the counts must add up to {n_layers}, e.g. {uniform_split(n_layers, n_stages)}."
         )
@@ -115,9 +117,9 @@ def stage_of_each_layer(counts: Sequence[int]) -> list[int]:
 
 def _check_counts(n_layers: int, n_stages: int) -> None:
     if n_stages < 1:
-        raise ValueError(f"A pipeline needs at least one stage, got {n_stages}.")
+        raise PipelineConfigError(f"A pipeline needs at least one stage, got {n_stages}.")
     if n_layers < n_stages:
-        raise ValueError(
+        raise PipelineConfigError(
             f"The model has {n_layers} layers but the pipeline has {n_stages} stages; every stage needs at"
             f" least one layer: use at most {n_layers} devices for the pipeline or a model with more layers."
         )

@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from lightning_pp.stage import PipelineConfigError
+from lightning_pp.errors import PipelineConfigError
 
 SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 # Schedules torch offers that need several stages per rank; they arrive with issue 7.

@@ -17,11 +17,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.partition import Balance, resolve_balance, stage_of_each_layer
-
-
-class PipelineConfigError(ValueError):
-    """A configuration the pipeline cannot run; the message names the value and the fix."""
 
 
 def find_layers(module: nn.Module, path: str) -> nn.ModuleDict:
@@ -68,6 +65,10 @@ class Placement:
     def layers_of(self, stage: int) -> list[str]:
         stages = stage_of_each_layer(self.counts)
         return [k for k, s in zip(self.layer_keys, stages) if s == stage]
+
+    def absent_on(self, stage: int) -> list[str]:
+        """Parts and loose parameters that are None on ``stage``."""
+        return [n for n, st in {**self.parts, **self.params}.items() if stage not in st]
 
     def describe(self, module: nn.Module) -> str:
         """A table of what each stage holds, for the placement log."""
@@ -266,10 +267,9 @@ def prune_to_stage(module: nn.Module, placement: Placement, stage: int) -> None:
     for key in list(layers.keys()):
         if key not in keep:
             del layers[key]
-    for name, stages in {**placement.parts, **placement.params}.items():
-        if stage not in stages:
-            parent, _, attr = name.rpartition(".")
-            setattr(_get(module, parent) if parent else module, attr, None)
+    for name in placement.absent_on(stage):
+        parent, _, attr = name.rpartition(".")
+        setattr(_get(module, parent) if parent else module, attr, None)
 
 
 def _get(module: nn.Module, dotted: str) -> Any:

@@ -22,7 +22,8 @@ from lightning_pp.failure import failures_shared
 from lightning_pp.microbatch import batch_size_of, capture_model_inputs, signature, split_batch
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import schedule_class
-from lightning_pp.stage import PipelineConfigError, patched
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.stage import patched
 
 _MAX_CACHED_SHAPES = 4
 
@@ -35,10 +36,11 @@ class _StageModule(nn.Module):
     output (any pytree) for the user's step and gives torch its tensors.
     """
 
-    def __init__(self, module: nn.Module, is_last: bool) -> None:
+    def __init__(self, module: nn.Module, is_last: bool, absent: list[str]) -> None:
         super().__init__()
         self.module = module
         self.is_last = is_last
+        self.absent = absent
         self.inputs: list[tuple[tuple, dict]] = []
         self.outputs: dict[int, Any] = {}
         self.mb_size = 1
@@ -49,7 +51,16 @@ class _StageModule(nn.Module):
         if received:
             # the previous stage's activations replace the leading inputs of the user's call
             args = tuple(received) + tuple(args[len(received) :])
-        out = type(self.module).forward(self.module, *args, **kwargs)
+        try:
+            out = type(self.module).forward(self.module, *args, **kwargs)
+        except (TypeError, AttributeError) as error:
+            if "NoneType" not in str(error):
+                raise
+            raise PipelineConfigError(
+                f"forward failed on this pipeline stage ({error}). Here {self.absent} are None because other stages"
+                " hold them; forward must skip parts that are None, e.g."
+                " `h = self.embed(x) if self.embed is not None else x`."
+            ) from error
         if self.is_last:
             self.outputs[index] = out
             tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
@@ -89,6 +100,7 @@ class PipelineRunner:
         group: dist.ProcessGroup | None,
         schedule: str,
         n_microbatches: int,
+        absent: list[str],
     ) -> None:
         self.module = module
         self.stage_index = stage_index
@@ -98,7 +110,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.n_microbatches = n_microbatches
         self.is_last = stage_index == n_stages - 1
-        self._wrapper = _StageModule(module, self.is_last)
+        self._wrapper = _StageModule(module, self.is_last, absent)
         self._pipes: OrderedDict[tuple, _Pipe] = OrderedDict()
         self._current: _Pipe | None = None
         # per-step state used by the last stage's loss function

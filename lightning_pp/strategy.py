@@ -39,8 +39,8 @@ from lightning_pp.microbatch import batch_size_of, capture_model_inputs, split_b
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.relay import broadcast_report, replay
 from lightning_pp.schedule import check_batch_size, check_microbatches, default_microbatches, normalize_schedule
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.stage import (
-    PipelineConfigError,
     Placement,
     find_layers,
     plan_placement,
@@ -155,12 +155,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self.set_world_ranks()
-        if self.pipeline_parallel_size is not None and self.pipeline_parallel_size != self.world_size:
-            raise NotImplementedError(
-                f"pipeline_parallel_size={self.pipeline_parallel_size} with {self.world_size} processes would need data"
-                " parallelism across pipeline replicas, which is planned (issue 5); leave pipeline_parallel_size=None"
-                f" or set it to the world size ({self.world_size})."
-            )
+        check_world(self.pipeline_parallel_size, self.world_size)
         super().setup_environment()
         if self.root_device.type == "cpu":
             # Lightning's launcher sets OMP_NUM_THREADS only after spawning the other ranks
@@ -182,7 +177,9 @@ class PipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
-        self._check_module(module, trainer)
+        if self._placement is None:
+            check_module(module, self.layers, self.balance, self.n_stages)
+        check_training_setup(module, self.precision_plugin, self.schedule, self.n_microbatches, self.n_stages)
         # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); one pipeline
         # replica keeps the user's order instead, see process_dataloader
         self._replace_random_samplers = trainer._accelerator_connector.use_distributed_sampler
@@ -200,27 +197,6 @@ class PipelineStrategy(ParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._placement is not None:  # the module was pruned by an earlier fit/validate/test
             self._keep_local_parameters()
-
-    def _check_module(self, module: LightningModule, trainer: Trainer) -> None:
-        """Everything checkable before the first batch, on every rank, before any collective."""
-        if not module.automatic_optimization:
-            raise PipelineConfigError(
-                "automatic_optimization=False (manual optimization) is not supported by PipelineStrategy: the"
-                " strategy runs forward and backward itself. Use automatic optimization."
-            )
-        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.precision == "16-mixed":
-            raise NotImplementedError(
-                "precision='16-mixed' under the pipeline needs a loss scaler shared by all stages, which is planned;"
-                " use precision='bf16-mixed' or '32-true'."
-            )
-        if self._placement is None:
-            n_layers = len(find_layers(module, self.layers))
-            if not isinstance(self.balance, str):
-                resolve_balance(self.balance, n_layers, self.n_stages)
-            else:
-                resolve_balance("uniform", n_layers, self.n_stages)
-        if self.n_microbatches is not None:
-            check_microbatches(self.schedule, self.n_microbatches, self.n_stages)
 
     @override
     def model_to_device(self) -> None:
@@ -306,8 +282,9 @@ class PipelineStrategy(ParallelStrategy):
             prune_to_stage(module, self._placement, self.global_rank)
             _guard_forward(module, self._placement, self.global_rank)
             self._keep_local_parameters()
+        absent = self._placement.absent_on(self.global_rank)
         self._runner = PipelineRunner(
-            module, self.global_rank, self.n_stages, self.root_device, None, self.schedule, m
+            module, self.global_rank, self.n_stages, self.root_device, None, self.schedule, m, absent
         )
         return self._runner
 
@@ -435,6 +412,38 @@ class PipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "pipeline_gpipe", cls, description="Pipeline parallelism with the GPipe schedule", schedule="gpipe"
         )
+
+
+def check_world(pipeline_parallel_size: Optional[int], world_size: int) -> None:
+    if pipeline_parallel_size is not None and pipeline_parallel_size != world_size:
+        raise NotImplementedError(
+            f"pipeline_parallel_size={pipeline_parallel_size} with {world_size} processes would need data parallelism"
+            " across pipeline replicas, which is planned (issue 5); leave pipeline_parallel_size=None or set it to"
+            f" the world size ({world_size})."
+        )
+
+
+def check_module(module: LightningModule, layers: str, balance: Balance, n_stages: int) -> None:
+    """What the module's structure allows, checked on every rank before any collective."""
+    n_layers = len(find_layers(module, layers))
+    resolve_balance("uniform" if isinstance(balance, str) else balance, n_layers, n_stages)
+
+
+def check_training_setup(
+    module: LightningModule, precision: Any, schedule: str, n_microbatches: Optional[int], n_stages: int
+) -> None:
+    if not module.automatic_optimization:
+        raise PipelineConfigError(
+            "automatic_optimization=False (manual optimization) is not supported by PipelineStrategy: the strategy"
+            " runs forward and backward itself. Use automatic optimization."
+        )
+    if isinstance(precision, MixedPrecision) and precision.precision == "16-mixed":
+        raise NotImplementedError(
+            "precision='16-mixed' under the pipeline needs a loss scaler shared by all stages, which is planned;"
+            " use precision='bf16-mixed' or '32-true'."
+        )
+    if n_microbatches is not None:
+        check_microbatches(schedule, n_microbatches, n_stages)
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:

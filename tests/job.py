@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from lightning.pytorch.loggers.logger import Logger
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning_pp  # noqa: E402,F401
-from models import TinyGPT, loader  # noqa: E402
+from models import NoSkipGPT, TinyGPT, loader  # noqa: E402
 
 
 class MemoryLogger(Logger):
@@ -62,13 +63,28 @@ class Seen(Callback):
             self.val.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
 
 
+class Pid(Callback):
+    """Records each rank's pid (so tests can check no rank outlives the job) and kills one on request."""
+
+    def __init__(self, out: Path, kill_rank: int | None, kill_step: int) -> None:
+        self.out, self.kill_rank, self.kill_step = out, kill_rank, kill_step
+
+    def setup(self, trainer, pl_module, stage: str) -> None:
+        (self.out / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.kill_rank and batch_idx == self.kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model = TinyGPT(n_layers=cfg.get("n_layers", 4), optimizer=cfg.get("optimizer", "adamw"), lr=cfg.get("lr", 1e-2),
+    model_cls = {"tiny": TinyGPT, "noskip": NoSkipGPT}[cfg.get("model", "tiny")]
+    model = model_cls(n_layers=cfg.get("n_layers", 4), optimizer=cfg.get("optimizer", "adamw"), lr=cfg.get("lr", 1e-2),
                     sync_dist=cfg.get("sync_dist", False))
     batch = cfg.get("batch", 8)
     train = loader(cfg.get("n_train", 64), batch, seed=0)
@@ -87,7 +103,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("max_steps", -1),
         max_epochs=cfg.get("max_epochs", 1), limit_val_batches=cfg.get("limit_val_batches"),
         gradient_clip_val=cfg.get("clip"), accumulate_grad_batches=cfg.get("accumulate", 1),
-        precision=cfg.get("precision", "32-true"), logger=logger, callbacks=[seen], log_every_n_steps=1,
+        precision=cfg.get("precision", "32-true"), logger=logger, callbacks=[seen, Pid(out, cfg.get("kill_rank"), cfg.get("kill_step", 2))], log_every_n_steps=1,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=cfg.get("sanity", 2),
     )

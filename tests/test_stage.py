@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpt import GPT  # noqa: E402
 from models import TinyGPT  # noqa: E402
 
-from lightning_pp.stage import PipelineConfigError, find_layers, plan_placement, prune_to_stage, trace_forward  # noqa: E402
+from lightning_pp.errors import PipelineConfigError  # noqa: E402
+from lightning_pp.stage import find_layers, plan_placement, prune_to_stage, trace_forward  # noqa: E402
 
 
 def place(module, path, n_stages, inputs, balance=None):

@@ -13,7 +13,7 @@ from lightning_pp.schedule import (
     normalize_schedule,
     schedule_class,
 )
-from lightning_pp.stage import PipelineConfigError
+from lightning_pp.errors import PipelineConfigError
 
 
 def test_split_dict_batch_replicates_non_tensor_leaves():

