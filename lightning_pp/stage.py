@@ -28,11 +28,11 @@ def find_layers(module: nn.Module, path: str) -> nn.ModuleDict:
     for name in path.split("."):
         walked.append(name)
         if not hasattr(obj, name):
-            children = [n for n, _ in obj.named_children()] if isinstance(obj, nn.Module) else []
+            dicts = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleDict)]
             raise PipelineConfigError(
-                f"layers={path!r}: {type(obj).__name__} has no attribute {'.'.join(walked)!r}."
-                f" Its sub-modules are {children}; pass the dotted path of the nn.ModuleDict that holds"
-                " the repeated layers, e.g. PipelineStrategy(layers='model.layers')."
+                f"layers={path!r}: {type(module).__name__} has no attribute {'.'.join(walked)!r}. Pass the dotted"
+                f" path of the nn.ModuleDict that holds the repeated layers, e.g. PipelineStrategy(layers="
+                f"{(dicts or ['model.layers'])[0]!r}); ModuleDicts in this module: {dicts}."
             )
         obj = getattr(obj, name)
     if isinstance(obj, nn.ModuleDict):
@@ -270,6 +270,31 @@ def prune_to_stage(module: nn.Module, placement: Placement, stage: int) -> None:
     for name in placement.absent_on(stage):
         parent, _, attr = name.rpartition(".")
         setattr(_get(module, parent) if parent else module, attr, None)
+
+
+def stage_view(module: nn.Module, placement: Placement, stage: int) -> nn.Module:
+    """The stage as a pruned view that shares parameters with ``module`` and leaves it whole.
+
+    Validation or testing before any fit uses a view, so that a later ``fit`` still hands
+    ``configure_optimizers`` the whole module.
+    """
+    # parts and loose parameters sit on the containers along the layers' path: copy exactly those
+    view = _shallow(module)
+    parent = view
+    for name in placement.layers_path.split("."):
+        child = _shallow(parent._modules[name])
+        parent._modules[name] = child
+        parent = child
+    prune_to_stage(view, placement, stage)
+    return view
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    copy = object.__new__(type(module))
+    copy.__dict__ = dict(module.__dict__)
+    for slot in ("_modules", "_parameters", "_buffers"):
+        copy.__dict__[slot] = type(module.__dict__[slot])(module.__dict__[slot])
+    return copy
 
 
 def _get(module: nn.Module, dotted: str) -> Any:

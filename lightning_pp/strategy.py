@@ -45,6 +45,7 @@ from lightning_pp.stage import (
     find_layers,
     plan_placement,
     prune_to_stage,
+    stage_view,
     trace_forward,
 )
 from lightning_pp.step import PipelineRunner
@@ -112,6 +113,8 @@ class PipelineStrategy(ParallelStrategy):
         self._optimizer_layouts: list[OptimizerLayout] = []
         self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
         self._replace_random_samplers = True
+        self._fitting = False
+        self._pruned = False
 
     # ------------------------------------------------------------------ processes and devices
     @property
@@ -187,7 +190,14 @@ class PipelineStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
-        if trainer.state.fn == TrainerFn.FITTING:
+        self._fitting = trainer.state.fn == TrainerFn.FITTING
+        if self._fitting:
+            if self._pruned:
+                raise NotImplementedError(
+                    "trainer.fit again on a module that an earlier fit already split into pipeline stages is not"
+                    " supported yet: configure_optimizers would see one stage only. Build a fresh module and resume"
+                    " with ckpt_path= instead."
+                )
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         clip_by_global_norm(self.precision_plugin, None)
@@ -195,8 +205,6 @@ class PipelineStrategy(ParallelStrategy):
             from lightning.fabric.utilities.optimizer import _optimizers_to_device
 
             _optimizers_to_device(self.optimizers, self.root_device)
-        if self._placement is not None:  # the module was pruned by an earlier fit/validate/test
-            self._keep_local_parameters()
 
     @override
     def model_to_device(self) -> None:
@@ -248,7 +256,7 @@ class PipelineStrategy(ParallelStrategy):
         return None
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+    def on_predict_start(self) -> None:
         raise NotImplementedError(
             "trainer.predict under PipelineStrategy is planned (issue 4); predict on one process from a checkpoint."
         )
@@ -278,13 +286,19 @@ class PipelineStrategy(ParallelStrategy):
             trace = trace_forward(module, self.layers, lambda: type(module).forward(module, *inputs, **kw))
             self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace)
             rank_zero_info(self._placement.describe(module))
+        stage = module
+        if self._fitting and not self._pruned:
+            # training frees what other stages own: their parameters, gradients and optimizer state
             self._state_keys = list(module.state_dict().keys())
             prune_to_stage(module, self._placement, self.global_rank)
             _guard_forward(module, self._placement, self.global_rank)
             self._keep_local_parameters()
+            self._pruned = True
+        elif not self._pruned:
+            stage = stage_view(module, self._placement, self.global_rank)
         absent = self._placement.absent_on(self.global_rank)
         self._runner = PipelineRunner(
-            module, self.global_rank, self.n_stages, self.root_device, None, self.schedule, m, absent
+            stage, self.global_rank, self.n_stages, self.root_device, None, self.schedule, m, absent
         )
         return self._runner
 
@@ -383,14 +397,14 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._placement is None:
+        if not self._pruned:
             return super().lightning_module_state_dict()
         return gather_model_state(self.lightning_module, self._state_keys, None)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
-        if self._placement is None:
+        if not self._pruned:
             return optimizer.state_dict()
         layout = self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
         return gather_optimizer_state(optimizer, layout, None)

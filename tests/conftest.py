@@ -70,7 +70,8 @@ def reference(tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp("ref")
             result = job_module.run({**cfg, "strategy": "single", "threads": 1, "out": str(out)})
-            result["state"] = torch.load(out / "final.ckpt", weights_only=False)["state_dict"]
+            ckpt = torch.load(out / "final.ckpt", weights_only=False)
+            result["state"], result["optimizer"] = ckpt["state_dict"], ckpt["optimizer_states"][0]
             result["initial"] = torch.load(out / "initial.pt")
             cache[key] = result
         return cache[key]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ok, run_job
+from models import TinyGPT
 
 LOSS_TOL = 2e-4
 PARAM_TOL = 1e-6
@@ -79,6 +80,17 @@ def test_pipeline_matches_one_process(name, tmp_path, reference):
             assert moved > 100 * PARAM_TOL, (block, moved)
         for key in ("net.embed.weight", "net.pos", "net.head.weight", "final_norm.weight"):
             assert (state[key] - initial[key]).abs().max().item() > 100 * PARAM_TOL, key
+
+        # the optimizer state is saved in the one-process layout, and the file loads into the plain module
+        ckpt = torch.load(job.out / "final.ckpt", weights_only=False)
+        mine, theirs = ckpt["optimizer_states"][0], micro["optimizer"]
+        assert [g["params"] for g in mine["param_groups"]] == [g["params"] for g in theirs["param_groups"]]
+        assert sorted(mine["state"]) == sorted(theirs["state"])
+        for index, slots in theirs["state"].items():
+            for slot, value in slots.items():
+                assert torch.allclose(mine["state"][index][slot], value, atol=PARAM_TOL, rtol=0), (index, slot)
+        model = TinyGPT.load_from_checkpoint(job.out / "final.ckpt")
+        assert torch.equal(model.net.head.weight, state["net.head.weight"])
 
 
 def test_bf16_mixed_matches_one_process(tmp_path, reference):
