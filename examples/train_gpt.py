@@ -27,5 +27,11 @@ if __name__ == "__main__":
         strategy=PipelineStrategy(schedule=args.schedule, n_microbatches=args.n_microbatches),
         max_epochs=args.epochs,
         log_every_n_steps=8,
+        enable_checkpointing=True,
     )
-    trainer.fit(GPT(), train, val)
+    model = GPT()
+    before = trainer.validate(model, val, verbose=False)[0]["val_loss"]
+    trainer.fit(model, train, val)
+    after = float(trainer.callback_metrics["val_loss"])
+    if trainer.is_global_zero:
+        print(f"val_loss before training {before:.3f}, after {args.epochs} epochs {after:.3f}")
