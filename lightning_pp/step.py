@@ -99,7 +99,6 @@ class PipelineRunner:
         device: torch.device,
         group: dist.ProcessGroup | None,
         schedule: str,
-        n_microbatches: int,
         absent: list[str],
     ) -> None:
         self.module = module
@@ -108,7 +107,6 @@ class PipelineRunner:
         self.device = device
         self.group = group
         self.schedule_name = schedule
-        self.n_microbatches = n_microbatches
         self.is_last = stage_index == n_stages - 1
         self._wrapper = _StageModule(module, self.is_last, absent)
         self._pipes: OrderedDict[tuple, _Pipe] = OrderedDict()
@@ -123,7 +121,7 @@ class PipelineRunner:
         self._loss_scale = 1.0
 
     def run(
-        self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0
+        self, hook: str, args: tuple, kwargs: dict, n_microbatches: int, train: bool, loss_scale: float = 1.0
     ) -> StepReport | None:
         """One step of ``hook`` (``training_step``, ``validation_step``, ...) over the whole batch.
 
@@ -132,18 +130,18 @@ class PipelineRunner:
         """
         step = getattr(self.module, hook)
         batch, rest = args[0], tuple(args[1:])
-        microbatches = split_batch(batch, self.n_microbatches)
+        microbatches = split_batch(batch, n_microbatches)
         self._wrapper.inputs = [
             capture_model_inputs(self.module, step, (mb, *rest), kwargs, hook) for mb in microbatches
         ]
         rows = batch_size_of(batch)
-        self._wrapper.mb_size = rows // self.n_microbatches
+        self._wrapper.mb_size = rows // n_microbatches
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
         self._microbatches, self._losses, self._loss_scale = microbatches, {}, loss_scale
         self._recorder = LogRecorder()
         self._recorder.weight = float(self._wrapper.mb_size)
 
-        pipe = self._pipe(train, signature(batch))
+        pipe = self._pipe(train, n_microbatches, signature(batch))
         self._current = pipe
         sample_index = torch.arange(rows)
         target = sample_index if self.is_last else None
@@ -160,17 +158,17 @@ class PipelineRunner:
         if not self.is_last:
             return None
         losses = [self._losses[i] for i in sorted(self._losses)]
-        loss = torch.stack(losses).mean() if losses and len(losses) == self.n_microbatches else None
+        loss = torch.stack(losses).mean() if losses and len(losses) == n_microbatches else None
         return StepReport(loss, combine(self._recorder.records))
 
-    def _pipe(self, train: bool, shape_key: tuple) -> _Pipe:
+    def _pipe(self, train: bool, n_microbatches: int, shape_key: tuple) -> _Pipe:
         """One stage and schedule per batch signature and mode: torch freezes shapes at first use."""
-        key = (train, shape_key)
+        key = (train, n_microbatches, shape_key)
         pipe = self._pipes.get(key)
         if pipe is None:
             stage = PipelineStage(self._wrapper, self.stage_index, self.n_stages, self.device, group=self.group)
             schedule = schedule_class(self.schedule_name)(
-                stage, self.n_microbatches, loss_fn=self._last_stage_loss, scale_grads=False
+                stage, n_microbatches, loss_fn=self._last_stage_loss, scale_grads=False
             )
             pipe = self._pipes[key] = _Pipe(stage, schedule)
             while len(self._pipes) > _MAX_CACHED_SHAPES:

@@ -215,7 +215,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        scale = 1.0 / (self._microbatches_for(args[0]) * trainer.accumulate_grad_batches)
+        scale = 1.0 / (self.microbatches_for(batch_size_of(args[0])) * trainer.accumulate_grad_batches)
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         earlier = [p.grad for p in params]
         for p in params:
@@ -263,25 +263,23 @@ class PipelineStrategy(ParallelStrategy):
 
     def _pipelined(self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0) -> Optional[Tensor]:
         runner = self._ensure_pipeline(hook, args, kwargs)
-        report = runner.run(hook, args, kwargs, train=train, loss_scale=loss_scale)
+        m = self.microbatches_for(batch_size_of(args[0]))
+        report = runner.run(hook, args, kwargs, m, train=train, loss_scale=loss_scale)
         report = broadcast_report(report, src=self.n_stages - 1, group=None)
         replay(self.lightning_module.log, report.logs, self.root_device)
         return None if report.loss is None else report.loss.to(self.root_device)
 
-    def _microbatches_for(self, batch: Any) -> int:
-        if self.n_microbatches is None:
-            self.n_microbatches = default_microbatches(batch_size_of(batch), self.n_stages)
-            check_microbatches(self.schedule, self.n_microbatches, self.n_stages)
-        return self.n_microbatches
+    def microbatches_for(self, batch_size: int) -> int:
+        """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages]."""
+        return self.n_microbatches or default_microbatches(batch_size, self.n_stages)
 
     def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
         """At the first batch: learn the module's structure from one forward, then prune to this stage."""
-        m = self._microbatches_for(args[0])
         if self._runner is not None:
             return self._runner
         module = self.lightning_module
         if self._placement is None:
-            first = split_batch(args[0], m)[0]
+            first = split_batch(args[0], self.microbatches_for(batch_size_of(args[0])))[0]
             inputs, kw = capture_model_inputs(module, getattr(module, hook), (first, *args[1:]), kwargs, hook)
             trace = trace_forward(module, self.layers, lambda: type(module).forward(module, *inputs, **kw))
             self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace)
@@ -298,7 +296,7 @@ class PipelineStrategy(ParallelStrategy):
             stage = stage_view(module, self._placement, self.global_rank)
         absent = self._placement.absent_on(self.global_rank)
         self._runner = PipelineRunner(
-            stage, self.global_rank, self.n_stages, self.root_device, None, self.schedule, m, absent
+            stage, self.global_rank, self.n_stages, self.root_device, None, self.schedule, absent
         )
         return self._runner
 
@@ -325,35 +323,44 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self._check_loaders("training", self.lightning_module.trainer.train_dataloader)
+        trainer = self.lightning_module.trainer
+        self._check_loaders("training", trainer.train_dataloader, [trainer.num_training_batches])
 
     @override
     def on_validation_start(self) -> None:
-        self._check_loaders("validation", self.lightning_module.trainer.val_dataloaders)
+        trainer = self.lightning_module.trainer
+        limits = trainer.num_sanity_val_batches if trainer.sanity_checking else trainer.num_val_batches
+        self._check_loaders("validation", trainer.val_dataloaders, limits)
 
     @override
     def on_test_start(self) -> None:
-        self._check_loaders("test", self.lightning_module.trainer.test_dataloaders)
+        trainer = self.lightning_module.trainer
+        self._check_loaders("test", trainer.test_dataloaders, trainer.num_test_batches)
 
-    def _check_loaders(self, kind: str, loaders: Any) -> None:
+    def _check_loaders(self, kind: str, loaders: Any, limits: list[Union[int, float]]) -> None:
         """Report batches that cannot be split before any rank starts the schedule."""
-        for loader in tree_flatten(loaders)[0]:
+        for i, loader in enumerate(tree_flatten(loaders)[0]):
             size = getattr(loader, "batch_size", None)
             if not isinstance(size, int):
                 continue
-            if self.n_microbatches is None:
-                self._microbatches_for(torch.empty(size))
-            assert self.n_microbatches is not None
-            check_batch_size(size, self.n_microbatches, f"The {kind} DataLoader's batch_size={size}")
+            self._check_split(size, f"The {kind} DataLoader's batch_size={size}")
             try:
                 samples = len(loader.sampler)
             except TypeError:
                 continue
             last = samples % size
-            if last and not getattr(loader, "drop_last", False):
-                check_batch_size(
-                    last, self.n_microbatches, f"The last {kind} batch ({samples} samples, batch_size={size})"
-                )
+            reached = i >= len(limits) or limits[i] >= -(-samples // size)
+            if last and reached and not getattr(loader, "drop_last", False):
+                self._check_split(last, f"The last {kind} batch ({samples} samples, batch_size={size})")
+
+    def _check_split(self, size: int, where: str) -> None:
+        if self.n_microbatches is not None:
+            check_batch_size(size, self.n_microbatches, where)
+            return
+        try:
+            default_microbatches(size, self.n_stages)
+        except PipelineConfigError as error:
+            raise PipelineConfigError(f"{where}: {error}") from None
 
     # ------------------------------------------------------------------ collectives
     @override

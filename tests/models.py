@@ -34,7 +34,7 @@ class Net(nn.Module):
 
 class TinyGPT(L.LightningModule):
     def __init__(self, vocab: int = 32, dim: int = 32, n_layers: int = 4, seq: int = 8, lr: float = 1e-2,
-                 optimizer: str = "adamw", sync_dist: bool = False) -> None:
+                 optimizer: str = "adamw", sync_dist: bool = False, plateau: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = Net(vocab, dim, n_layers, seq)
@@ -72,9 +72,14 @@ class TinyGPT(L.LightningModule):
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
-        return torch.optim.AdamW(
+        optimizer = torch.optim.AdamW(
             [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr
         )
+        if not self.hparams.plateau:
+            return optimizer
+        # a scheduler that monitors a logged metric: needs the value on every rank
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step"}}
 
 
 class Tokens(Dataset):
