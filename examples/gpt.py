@@ -39,8 +39,9 @@ class Block(nn.Module):
 
 
 class GPT(L.LightningModule):
-    def __init__(self, vocab: int = 64, dim: int = 64, n_layers: int = 4, n_heads: int = 4, seq_len: int = 32,
-                 lr: float = 3e-3) -> None:
+    def __init__(
+        self, vocab: int = 64, dim: int = 64, n_layers: int = 4, n_heads: int = 4, seq_len: int = 32, lr: float = 3e-3
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         cfg = GPTConfig(vocab, dim, n_layers, n_heads, seq_len, lr)

@@ -8,8 +8,9 @@ import lightning as L
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning_pp  # noqa: E402,F401  (registers strategy="pipeline")
 from gpt import GPT, loaders  # noqa: E402
+
+import lightning_pp  # noqa: E402,F401  (registers strategy="pipeline")
 from lightning_pp import PipelineStrategy  # noqa: E402
 
 if __name__ == "__main__":

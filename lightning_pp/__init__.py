@@ -5,8 +5,8 @@ Importing the package registers the strategy names ``"pipeline"`` (1F1B) and ``"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pp.failure import PipelinePeerError
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.failure import PipelinePeerError
 from lightning_pp.strategy import PipelineStrategy
 
 __all__ = ["PipelineConfigError", "PipelinePeerError", "PipelineStrategy"]

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
-from lightning_pp.schedule import check_batch_size
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.schedule import check_batch_size
 from lightning_pp.stage import patched
 
 
@@ -48,8 +48,7 @@ def split_batch(batch: Any, n_microbatches: int) -> list[Any]:
 def signature(batch: Any) -> tuple:
     """Shapes and dtypes of the tensor leaves: the pipeline's buffers are valid for one signature only."""
     return tuple(
-        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__
-        for x in tree_flatten(batch)[0]
+        (tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in tree_flatten(batch)[0]
     )
 
 

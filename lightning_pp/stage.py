@@ -40,8 +40,8 @@ def find_layers(module: nn.Module, path: str) -> nn.ModuleDict:
     hint = ""
     if isinstance(obj, (nn.ModuleList, nn.Sequential)):
         hint = (
-            f" Store the layers in an nn.ModuleDict instead, e.g."
-            f" nn.ModuleDict({{str(i): block for i, block in enumerate(blocks)}}): a stage deletes the"
+            " Store the layers in an nn.ModuleDict instead, e.g."
+            " nn.ModuleDict({str(i): block for i, block in enumerate(blocks)}): a stage deletes the"
             " layers it does not own and the dict keeps the other layers' names (and state-dict keys)."
         )
     raise PipelineConfigError(f"layers={path!r} is a {type(obj).__name__}, not an nn.ModuleDict.{hint}")
@@ -82,9 +82,7 @@ class Placement:
                 obj = _get(module, name)
                 n_params += obj.numel() if isinstance(obj, nn.Parameter) else sum(p.numel() for p in obj.parameters())
             span = f"{keys[0]}..{keys[-1]}" if len(keys) > 1 else keys[0]
-            lines.append(
-                f"  stage {s}: layers {span} ({len(keys)}), parts {parts or '-'}, {n_params:,} parameters"
-            )
+            lines.append(f"  stage {s}: layers {span} ({len(keys)}), parts {parts or '-'}, {n_params:,} parameters")
         return "\n".join(lines)
 
 
@@ -168,9 +166,7 @@ def trace_forward(module: nn.Module, path: str, run_forward: Callable[[], Any]) 
     return trace
 
 
-def plan_placement(
-    module: nn.Module, path: str, n_stages: int, balance: Balance, trace: _Trace
-) -> Placement:
+def plan_placement(module: nn.Module, path: str, n_stages: int, balance: Balance, trace: _Trace) -> Placement:
     """Decide every part's stage from the traced forward; reject what cannot be pipelined."""
     layers = find_layers(module, path)
     keys = tuple(layers.keys())

@@ -18,11 +18,11 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.utils._pytree import tree_flatten
 
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import failures_shared
 from lightning_pp.microbatch import batch_size_of, capture_model_inputs, signature, split_batch
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import schedule_class
-from lightning_pp.errors import PipelineConfigError
 from lightning_pp.stage import patched
 
 _MAX_CACHED_SHAPES = 4

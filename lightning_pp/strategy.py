@@ -25,21 +25,21 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from lightning.pytorch.utilities.data import _update_dataloader
 from torch import Tensor
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torch.utils._pytree import tree_flatten
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
 from lightning_pp.checkpoint import OptimizerLayout, gather_model_state, gather_optimizer_state, keep_local_parameters
 from lightning_pp.clipping import clip_by_global_norm
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size_of, capture_model_inputs, split_batch
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.relay import broadcast_report, replay
 from lightning_pp.schedule import check_batch_size, check_microbatches, default_microbatches, normalize_schedule
-from lightning_pp.errors import PipelineConfigError
 from lightning_pp.stage import (
     Placement,
     find_layers,
@@ -49,6 +49,7 @@ from lightning_pp.stage import (
     trace_forward,
 )
 from lightning_pp.step import PipelineRunner
+
 
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule whose layers sit in an ``nn.ModuleDict``.
@@ -92,7 +93,9 @@ class PipelineStrategy(ParallelStrategy):
                 "state_dict_type='sharded' is planned (issue 4: sharded checkpoints); use 'full' for now."
             )
         if state_dict_type != "full":
-            raise PipelineConfigError(f"Unknown state_dict_type={state_dict_type!r}; use 'full' (or 'sharded', planned).")
+            raise PipelineConfigError(
+                f"Unknown state_dict_type={state_dict_type!r}; use 'full' (or 'sharded', planned)."
+            )
         if isinstance(balance, str):
             resolve_balance(balance, 1, 1)  # reject unknown and planned modes now, not at the first batch
         self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
@@ -261,7 +264,9 @@ class PipelineStrategy(ParallelStrategy):
             "trainer.predict under PipelineStrategy is planned (issue 4); predict on one process from a checkpoint."
         )
 
-    def _pipelined(self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0) -> Optional[Tensor]:
+    def _pipelined(
+        self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0
+    ) -> Optional[Tensor]:
         runner = self._ensure_pipeline(hook, args, kwargs)
         m = self.microbatches_for(batch_size_of(args[0]))
         report = runner.run(hook, args, kwargs, m, train=train, loss_scale=loss_scale)
@@ -302,9 +307,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _keep_local_parameters(self) -> None:
         local = {id(p) for p in self.lightning_module.parameters()}
-        self._optimizer_layouts = [
-            keep_local_parameters(_unwrap(opt), local) for opt in self.optimizers
-        ]
+        self._optimizer_layouts = [keep_local_parameters(_unwrap(opt), local) for opt in self.optimizers]
 
     # ------------------------------------------------------------------ data
     @override
@@ -382,7 +385,10 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def reduce(
-        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+        self,
+        tensor: Union[Tensor, Any],
+        group: Optional[Any] = None,
+        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
         """``sync_dist`` reduces over the data-parallel replicas; a pure pipeline has one, so nothing to do.
 

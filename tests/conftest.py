@@ -18,7 +18,9 @@ sys.path.insert(0, str(HERE))
 
 
 def child_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))}
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"))
+    }
     for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS"):
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
@@ -45,7 +47,11 @@ def run_job(cfg: dict[str, Any], out: Path, timeout: float = 180, command: list[
     command = command or [sys.executable, str(HERE / "job.py")]
     start = time.monotonic()
     proc = subprocess.run(
-        [*command, json.dumps(cfg)], cwd=out.parent, env=child_env(), capture_output=True, text=True,
+        [*command, json.dumps(cfg)],
+        cwd=out.parent,
+        env=child_env(),
+        capture_output=True,
+        text=True,
         timeout=timeout,
     )
     job = Job(proc, out, time.monotonic() - start)

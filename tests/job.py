@@ -22,8 +22,9 @@ from lightning.pytorch.loggers.logger import Logger
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning_pp  # noqa: E402,F401
 from models import NoSkipGPT, TinyGPT, loader  # noqa: E402
+
+import lightning_pp  # noqa: E402,F401
 
 
 class MemoryLogger(Logger):
@@ -84,8 +85,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     model_cls = {"tiny": TinyGPT, "noskip": NoSkipGPT}[cfg.get("model", "tiny")]
-    model = model_cls(n_layers=cfg.get("n_layers", 4), optimizer=cfg.get("optimizer", "adamw"), lr=cfg.get("lr", 1e-2),
-                    sync_dist=cfg.get("sync_dist", False), plateau=cfg.get("monitor", False))
+    model = model_cls(
+        n_layers=cfg.get("n_layers", 4),
+        optimizer=cfg.get("optimizer", "adamw"),
+        lr=cfg.get("lr", 1e-2),
+        sync_dist=cfg.get("sync_dist", False),
+        plateau=cfg.get("monitor", False),
+    )
     batch = cfg.get("batch", 8)
     train = loader(cfg.get("n_train", 64), batch, seed=0)
     val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1)
@@ -94,8 +100,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         devices = 1
     else:
         strategy = lightning_pp.PipelineStrategy(
-            schedule=cfg.get("schedule", "1f1b"), n_microbatches=cfg.get("m"), layers="net.blocks",
-            balance=cfg.get("balance"), timeout=cfg.get("timeout", 60),
+            schedule=cfg.get("schedule", "1f1b"),
+            n_microbatches=cfg.get("m"),
+            layers="net.blocks",
+            balance=cfg.get("balance"),
+            timeout=cfg.get("timeout", 60),
         )
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()
@@ -104,20 +113,37 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         best = ModelCheckpoint(dirpath=out / "ckpts", filename="best", monitor="val_loss", save_top_k=1)
         callbacks += [best, EarlyStopping(monitor="val_loss", patience=10)]
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=cfg.get("max_steps", -1),
-        max_epochs=cfg.get("max_epochs", 1), limit_val_batches=cfg.get("limit_val_batches"),
-        gradient_clip_val=cfg.get("clip"), accumulate_grad_batches=cfg.get("accumulate", 1),
-        precision=cfg.get("precision", "32-true"), logger=logger, callbacks=callbacks, log_every_n_steps=1,
-        enable_checkpointing=bool(cfg.get("monitor")), val_check_interval=cfg.get("val_check_interval"), enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=cfg.get("max_steps", -1),
+        max_epochs=cfg.get("max_epochs", 1),
+        limit_val_batches=cfg.get("limit_val_batches"),
+        gradient_clip_val=cfg.get("clip"),
+        accumulate_grad_batches=cfg.get("accumulate", 1),
+        precision=cfg.get("precision", "32-true"),
+        logger=logger,
+        callbacks=callbacks,
+        log_every_n_steps=1,
+        enable_checkpointing=bool(cfg.get("monitor")),
+        val_check_interval=cfg.get("val_check_interval"),
+        enable_progress_bar=False,
+        enable_model_summary=False,
         num_sanity_val_steps=cfg.get("sanity", 2),
     )
     if trainer.global_rank == 0:
         torch.save(model.state_dict(), out / "initial.pt")
     trainer.fit(model, train, val)
     trainer.save_checkpoint(out / "final.ckpt")
-    result = {"rank": trainer.global_rank, "logged": logger.rows, "train": seen.train, "val": seen.val,
-              "threads": torch.get_num_threads(), "world": trainer.world_size,
-              "lr": [g["lr"] for g in trainer.optimizers[0].param_groups]}
+    result = {
+        "rank": trainer.global_rank,
+        "logged": logger.rows,
+        "train": seen.train,
+        "val": seen.val,
+        "threads": torch.get_num_threads(),
+        "world": trainer.world_size,
+        "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
+    }
     if cfg.get("monitor"):
         result["best_score"] = float(trainer.checkpoint_callback.best_model_score)
     if cfg.get("test"):

@@ -13,8 +13,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning_pp  # noqa: E402,F401
 from models import TinyGPT, loader  # noqa: E402
+
+import lightning_pp  # noqa: E402,F401
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -26,8 +27,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     model = TinyGPT(n_layers=4)
     train, val = loader(32, 8), loader(24, 8, seed=1)
     trainer = L.Trainer(
-        accelerator="cpu", devices=cfg.get("devices", 1), strategy=lightning_pp.PipelineStrategy(schedule="gpipe", layers="net.blocks") if cfg.get("pipeline") else "auto", max_epochs=1,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=cfg.get("devices", 1),
+        strategy=lightning_pp.PipelineStrategy(schedule="gpipe", layers="net.blocks")
+        if cfg.get("pipeline")
+        else "auto",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     seen: dict[str, Any] = {}
     seen["validate_first"] = trainer.validate(model, val, verbose=False)[0]["val_loss"]

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -33,8 +32,17 @@ class Net(nn.Module):
 
 
 class TinyGPT(L.LightningModule):
-    def __init__(self, vocab: int = 32, dim: int = 32, n_layers: int = 4, seq: int = 8, lr: float = 1e-2,
-                 optimizer: str = "adamw", sync_dist: bool = False, plateau: bool = False) -> None:
+    def __init__(
+        self,
+        vocab: int = 32,
+        dim: int = 32,
+        n_layers: int = 4,
+        seq: int = 8,
+        lr: float = 1e-2,
+        optimizer: str = "adamw",
+        sync_dist: bool = False,
+        plateau: bool = False,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = Net(vocab, dim, n_layers, seq)
@@ -79,7 +87,10 @@ class TinyGPT(L.LightningModule):
             return optimizer
         # a scheduler that monitors a logged metric: needs the value on every rank
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0, threshold=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": plateau, "monitor": "train_loss", "interval": "step"},
+        }
 
 
 class Tokens(Dataset):

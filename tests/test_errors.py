@@ -91,8 +91,11 @@ def test_batch_that_does_not_split_fails_on_every_rank_before_training(tmp_path)
 
 
 def test_partial_last_batch_that_cannot_split_is_reported_before_training(tmp_path):
-    job = run_job(dict(strategy="pipeline", devices=2, m=4, batch=8, n_train=66, sanity=0, timeout=30),
-                  tmp_path / "job", timeout=90)
+    job = run_job(
+        dict(strategy="pipeline", devices=2, m=4, batch=8, n_train=66, sanity=0, timeout=30),
+        tmp_path / "job",
+        timeout=90,
+    )
     assert job.returncode != 0 and job.seconds < 60
     assert job.output.count("The last training batch (66 samples, batch_size=8) has 2 samples") >= 2
     assert not (tmp_path / "job" / "rank0.json").exists()

@@ -16,7 +16,10 @@ def test_validate_test_fit_in_any_order_in_one_process(tmp_path):
     out = tmp_path / "pipe"
     proc = subprocess.run(
         [sys.executable, str(HERE / "lifecycle_job.py"), json.dumps({"out": str(out), "devices": 2, "pipeline": True})],
-        env=child_env(), capture_output=True, text=True, timeout=240,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     ref = lifecycle_job.run({"out": str(tmp_path / "ref"), "threads": 1})
@@ -37,8 +40,15 @@ def test_validate_test_fit_in_any_order_in_one_process(tmp_path):
 
 def test_torchrun_launch_matches_one_process(tmp_path, reference):
     cfg = dict(schedule="1f1b", devices=2, m=2, batch=8, n_train=32)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(HERE / "job.py")]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(HERE / "job.py"),
+    ]
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240, command=command))
     ref = reference(batch=8, n_train=32)
     for rank in range(2):

@@ -13,12 +13,23 @@ PARAM_TOL = 1e-6
 # each scenario: a pipelined job, and what it is compared against
 SCENARIOS = {
     "gpipe-2-clip-partial": dict(schedule="gpipe", devices=2, m=4, batch=8, n_train=68, clip=0.05),
-    "1f1b-2-default-m-monitor": dict(schedule="1f1b", devices=2, m=None, batch=8, val_batch=6, n_train=36, n_val=30,
-                                     val_check_interval=0.5, monitor=True),
-    "1f1b-2-accumulate-syncdist": dict(schedule="1f1b", devices=2, m=2, batch=8, n_train=64, accumulate=2,
-                                        sync_dist=True, params=True),
-    "gpipe-4-sgd-clip": dict(schedule="gpipe", devices=4, m=4, batch=8, n_train=48, clip=0.05, optimizer="sgd", lr=0.5,
-                             params=True),
+    "1f1b-2-default-m-monitor": dict(
+        schedule="1f1b",
+        devices=2,
+        m=None,
+        batch=8,
+        val_batch=6,
+        n_train=36,
+        n_val=30,
+        val_check_interval=0.5,
+        monitor=True,
+    ),
+    "1f1b-2-accumulate-syncdist": dict(
+        schedule="1f1b", devices=2, m=2, batch=8, n_train=64, accumulate=2, sync_dist=True, params=True
+    ),
+    "gpipe-4-sgd-clip": dict(
+        schedule="gpipe", devices=4, m=4, batch=8, n_train=48, clip=0.05, optimizer="sgd", lr=0.5, params=True
+    ),
     "1f1b-4-partial-syncdist": dict(schedule="1f1b", devices=4, m=4, batch=8, n_train=44, sync_dist=True),
 }
 
@@ -75,15 +86,20 @@ def test_pipeline_matches_one_process(name, tmp_path, reference):
 
     if cfg.get("params"):
         # exact arithmetic: a one-process reference fed the same micro-batches
-        micro = reference(**{**common(cfg), "batch": cfg["batch"] // cfg["m"],
-                             "accumulate": cfg["m"] * cfg.get("accumulate", 1)})
+        micro = reference(
+            **{**common(cfg), "batch": cfg["batch"] // cfg["m"], "accumulate": cfg["m"] * cfg.get("accumulate", 1)}
+        )
         initial = micro["initial"]
         for key, value in micro["state"].items():
             assert torch.allclose(state[key], value, atol=PARAM_TOL, rtol=0), (
-                key, (state[key] - value).abs().max().item())
+                key,
+                (state[key] - value).abs().max().item(),
+            )
         # every stage trained: each layer (one per stage here, or two) moved well beyond the tolerance
         for block in range(4):
-            moved = max((state[k] - initial[k]).abs().max().item() for k in state if k.startswith(f"net.blocks.b{block}."))
+            moved = max(
+                (state[k] - initial[k]).abs().max().item() for k in state if k.startswith(f"net.blocks.b{block}.")
+            )
             assert moved > 100 * PARAM_TOL, (block, moved)
         for key in ("net.embed.weight", "net.pos", "net.head.weight", "final_norm.weight"):
             assert (state[key] - initial[key]).abs().max().item() > 100 * PARAM_TOL, key

@@ -124,7 +124,9 @@ def test_layers_called_out_of_dict_order_are_refused():
 
 def test_find_layers_errors_name_the_value_and_the_fix():
     model = GPT(n_layers=2)
-    with pytest.raises(PipelineConfigError, match=r"layers='blocks'.*has no attribute 'blocks'.*layers='layers'.*\['layers'\]"):
+    with pytest.raises(
+        PipelineConfigError, match=r"layers='blocks'.*has no attribute 'blocks'.*layers='layers'.*\['layers'\]"
+    ):
         find_layers(model, "blocks")
     model.layers = nn.ModuleList([nn.Linear(2, 2)])
     with pytest.raises(PipelineConfigError, match=r"is a ModuleList, not an nn.ModuleDict.*nn.ModuleDict\("):

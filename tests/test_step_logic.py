@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import capture_model_inputs, split_batch
 from lightning_pp.relay import LogRecord, LogRecorder, combine
 from lightning_pp.schedule import (
@@ -13,7 +14,6 @@ from lightning_pp.schedule import (
     normalize_schedule,
     schedule_class,
 )
-from lightning_pp.errors import PipelineConfigError
 
 
 def test_split_dict_batch_replicates_non_tensor_leaves():
@@ -47,7 +47,9 @@ def test_default_microbatches_is_the_largest_divisor_within_bounds():
 def test_schedule_names():
     assert normalize_schedule("GPipe") == "gpipe" and normalize_schedule("Schedule1F1B") == "1f1b"
     assert schedule_class("1F1B").__name__ == "Schedule1F1B"
-    with pytest.raises(PipelineConfigError, match=r"Unknown schedule='pipedream'; valid schedules are \['1f1b', 'gpipe'\]"):
+    with pytest.raises(
+        PipelineConfigError, match=r"Unknown schedule='pipedream'; valid schedules are \['1f1b', 'gpipe'\]"
+    ):
         normalize_schedule("pipedream")
     with pytest.raises(NotImplementedError, match="issue 7"):
         normalize_schedule("ZBV")
