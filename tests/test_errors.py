@@ -81,6 +81,14 @@ def test_forward_that_does_not_skip_none_stops_every_rank_with_the_message(tmp_p
     assert_all_ranks_gone(job.out, 2)
 
 
+def test_a_step_that_calls_the_model_twice_is_refused_on_every_rank(tmp_path):
+    job = run_job(dict(strategy="pipeline", devices=2, m=2, model="twice", sanity=0, timeout=30), tmp_path / "job")
+    assert job.returncode != 0 and job.seconds < 60
+    assert "TwiceGPT.training_step calls the model more than once" in job.output
+    assert "Pipeline rank 1 failed, so rank 0 stops too" in job.output
+    assert_all_ranks_gone(job.out, 2)
+
+
 def test_batch_that_does_not_split_fails_on_every_rank_before_training(tmp_path):
     job = run_job(dict(strategy="pipeline", devices=2, m=3, batch=8, timeout=30), tmp_path / "job", timeout=90)
     assert job.returncode != 0 and job.seconds < 60
