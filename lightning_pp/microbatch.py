@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -52,35 +53,52 @@ def signature(batch: Any) -> tuple:
     )
 
 
+class ModelCall(NamedTuple):
+    """How the user's step called the model: which module (dotted path, "" for the root) and with what."""
+
+    entry: str
+    args: tuple
+    kwargs: dict
+
+
 class _Captured(BaseException):
     """Stops the user's step at its model call (BaseException: a broad ``except Exception`` keeps out)."""
 
-    def __init__(self, args: tuple, kwargs: dict) -> None:
+    def __init__(self, call: ModelCall) -> None:
         super().__init__()
-        self.args_kwargs = (args, kwargs)
+        self.call = call
 
 
 def _discard(*_: Any, **__: Any) -> None:
     return None
 
 
-def capture_model_inputs(
-    module: nn.Module, step: Callable[..., Any], step_args: tuple, step_kwargs: dict, hook_name: str
-) -> tuple[tuple, dict]:
-    """Run the user's step up to its ``self(...)`` call and return that call's arguments.
+def capture_model_call(
+    module: nn.Module,
+    entries: dict[str, nn.Module],
+    step: Callable[..., Any],
+    step_args: tuple,
+    step_kwargs: dict,
+    hook_name: str,
+) -> ModelCall:
+    """Run the user's step up to its model call (``self(...)``, or ``self.model(...)`` for a wrapped
+    network) and return that call; nothing after it runs, and logging before it is discarded."""
 
-    The step stops there, so nothing after it (loss, logging) runs; logging before it is discarded.
-    """
+    def capture(entry: str) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            raise _Captured(ModelCall(entry, args, kwargs))
 
-    def capture(*args: Any, **kwargs: Any) -> Any:
-        raise _Captured(args, kwargs)
+        return forward
 
     try:
-        with patched(module, forward=capture, log=_discard):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched(module, log=_discard))
+            for name, entry in entries.items():
+                stack.enter_context(patched(entry, forward=capture(name)))
             step(*step_args, **step_kwargs)
     except _Captured as found:
-        return found.args_kwargs
+        return found.call
     raise PipelineConfigError(
-        f"{type(module).__name__}.{hook_name} never calls the model (self(...) or self.forward(...)); under the"
-        " pipeline the step must call the model exactly once, with the batch's inputs."
+        f"{type(module).__name__}.{hook_name} never calls the model (self(...), or one of {sorted(entries)[1:]});"
+        " under the pipeline the step must call the model exactly once, with the batch's inputs."
     )

@@ -79,7 +79,7 @@ class Placement:
             parts = [n for n, st in {**self.parts, **self.params}.items() if s in st]
             n_params = sum(p.numel() for k in keys for p in layers[k].parameters())
             for name in parts:
-                obj = _get(module, name)
+                obj = get_path(module, name)
                 n_params += obj.numel() if isinstance(obj, nn.Parameter) else sum(p.numel() for p in obj.parameters())
             span = f"{keys[0]}..{keys[-1]}" if len(keys) > 1 else keys[0]
             lines.append(f"  stage {s}: layers {span} ({len(keys)}), parts {parts or '-'}, {n_params:,} parameters")
@@ -102,6 +102,15 @@ def _containers(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
         obj = getattr(obj, name)
         out.append((".".join(names[: i + 1]) + ".", obj))
     return out
+
+
+def model_entries(module: nn.Module, path: str) -> dict[str, nn.Module]:
+    """The modules a step may call as "the model": the root and each container on the way to the layers.
+
+    A LightningModule often wraps the network (``self.model = GPT()``) and its step calls either
+    ``self(x)`` or ``self.model(x)``; both run the layers.
+    """
+    return {prefix.rstrip("."): container for prefix, container in _containers(module, path)}
 
 
 def _parts_and_params(module: nn.Module, path: str) -> tuple[dict[str, nn.Module], dict[str, nn.Parameter]]:
@@ -265,7 +274,7 @@ def prune_to_stage(module: nn.Module, placement: Placement, stage: int) -> None:
             del layers[key]
     for name in placement.absent_on(stage):
         parent, _, attr = name.rpartition(".")
-        setattr(_get(module, parent) if parent else module, attr, None)
+        setattr(get_path(module, parent) if parent else module, attr, None)
 
 
 def stage_view(module: nn.Module, placement: Placement, stage: int) -> nn.Module:
@@ -293,7 +302,10 @@ def _shallow(module: nn.Module) -> nn.Module:
     return copy
 
 
-def _get(module: nn.Module, dotted: str) -> Any:
+def get_path(module: nn.Module, dotted: str) -> Any:
+    """The attribute at a dotted path; the empty path is the module itself."""
+    if not dotted:
+        return module
     obj: Any = module
     for name in dotted.split("."):
         obj = getattr(obj, name)

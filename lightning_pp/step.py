@@ -7,6 +7,7 @@ torch schedule (P2P) -> last-stage output -> the user's step with ``self(...)`` 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +21,10 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import failures_shared
-from lightning_pp.microbatch import batch_size_of, capture_model_inputs, signature, split_batch
+from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import schedule_class
-from lightning_pp.stage import patched
+from lightning_pp.stage import get_path, patched
 
 _MAX_CACHED_SHAPES = 4
 
@@ -41,18 +42,19 @@ class _StageModule(nn.Module):
         self.module = module
         self.is_last = is_last
         self.absent = absent
-        self.inputs: list[tuple[tuple, dict]] = []
+        self.inputs: list[ModelCall] = []
         self.outputs: dict[int, Any] = {}
         self.mb_size = 1
 
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
         index = int(mb[0]) // self.mb_size
-        args, kwargs = self.inputs[index]
+        entry, args, kwargs = self.inputs[index]
+        model = get_path(self.module, entry)
         if received:
             # the previous stage's activations replace the leading inputs of the user's call
             args = tuple(received) + tuple(args[len(received) :])
         try:
-            out = type(self.module).forward(self.module, *args, **kwargs)
+            out = type(model).forward(model, *args, **kwargs)
         except (TypeError, AttributeError) as error:
             if "NoneType" not in str(error):
                 raise
@@ -99,6 +101,7 @@ class PipelineRunner:
         device: torch.device,
         group: dist.ProcessGroup | None,
         schedule: str,
+        entries: dict[str, nn.Module],
         absent: list[str],
     ) -> None:
         self.module = module
@@ -109,6 +112,7 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.is_last = stage_index == n_stages - 1
         self._wrapper = _StageModule(module, self.is_last, absent)
+        self._entries = entries
         self._pipes: OrderedDict[tuple, _Pipe] = OrderedDict()
         self._current: _Pipe | None = None
         # per-step state used by the last stage's loss function
@@ -132,7 +136,7 @@ class PipelineRunner:
         batch, rest = args[0], tuple(args[1:])
         microbatches = split_batch(batch, n_microbatches)
         self._wrapper.inputs = [
-            capture_model_inputs(self.module, step, (mb, *rest), kwargs, hook) for mb in microbatches
+            capture_model_call(self.module, self._entries, step, (mb, *rest), kwargs, hook) for mb in microbatches
         ]
         rows = batch_size_of(batch)
         self._wrapper.mb_size = rows // n_microbatches
@@ -201,12 +205,15 @@ class PipelineRunner:
             if served:
                 raise PipelineConfigError(
                     f"{type(self.module).__name__}.{self._step.__name__} calls the model more than once; under the"  # type: ignore[union-attr]
-                    " pipeline the step must call self(...) exactly once per batch."
+                    " pipeline the step must call the model exactly once per batch."
                 )
             served.append(True)
             return output
 
-        with patched(self.module, forward=serve, log=self._recorder):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(patched(self.module, log=self._recorder))
+            for entry in self._entries.values():
+                stack.enter_context(patched(entry, forward=serve))
             return self._step(self._microbatches[index], *self._step_rest, **self._step_kwargs)
 
 

@@ -36,13 +36,14 @@ from typing_extensions import override
 from lightning_pp.checkpoint import OptimizerLayout, gather_model_state, gather_optimizer_state, keep_local_parameters
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import batch_size_of, capture_model_inputs, split_batch
+from lightning_pp.microbatch import batch_size_of, capture_model_call, split_batch
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.relay import broadcast_report, replay
 from lightning_pp.schedule import check_batch_size, check_microbatches, default_microbatches, normalize_schedule
 from lightning_pp.stage import (
     Placement,
     find_layers,
+    model_entries,
     plan_placement,
     prune_to_stage,
     stage_view,
@@ -285,8 +286,10 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._placement is None:
             first = split_batch(args[0], self.microbatches_for(batch_size_of(args[0])))[0]
-            inputs, kw = capture_model_inputs(module, getattr(module, hook), (first, *args[1:]), kwargs, hook)
-            trace = trace_forward(module, self.layers, lambda: type(module).forward(module, *inputs, **kw))
+            entries = model_entries(module, self.layers)
+            call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
+            model = entries[call.entry]
+            trace = trace_forward(module, self.layers, lambda: type(model).forward(model, *call.args, **call.kwargs))
             self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace)
             rank_zero_info(self._placement.describe(module))
         stage = module
@@ -294,14 +297,22 @@ class PipelineStrategy(ParallelStrategy):
             # training frees what other stages own: their parameters, gradients and optimizer state
             self._state_keys = list(module.state_dict().keys())
             prune_to_stage(module, self._placement, self.global_rank)
-            _guard_forward(module, self._placement, self.global_rank)
+            for entry in model_entries(module, self.layers).values():
+                _guard_forward(entry, self._placement, self.global_rank, type(module).__name__)
             self._keep_local_parameters()
             self._pruned = True
         elif not self._pruned:
             stage = stage_view(module, self._placement, self.global_rank)
         absent = self._placement.absent_on(self.global_rank)
         self._runner = PipelineRunner(
-            stage, self.global_rank, self.n_stages, self.root_device, None, self.schedule, absent
+            stage,
+            self.global_rank,
+            self.n_stages,
+            self.root_device,
+            None,
+            self.schedule,
+            model_entries(stage, self.layers),
+            absent,
         )
         return self._runner
 
@@ -477,7 +488,7 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _guard_forward(module: LightningModule, placement: Placement, stage: int) -> None:
+def _guard_forward(module: torch.nn.Module, placement: Placement, stage: int, owner: str) -> None:
     """After pruning, calling the module outside the pipeline must fail loudly, not compute garbage."""
     layers = placement.layers_of(stage)
 
@@ -486,7 +497,7 @@ def _guard_forward(module: LightningModule, placement: Placement, stage: int) ->
             f"This {type(module).__name__} holds only pipeline stage {stage} of {placement.n_stages} (layers"
             f" {layers[0]}..{layers[-1]} of '{placement.layers_path}'); the other parts are None on this rank."
             f" Load a checkpoint into a fresh module on one process instead, e.g."
-            f" {type(module).__name__}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."
+            f" {owner}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."
         )
 
     module.forward = pruned_forward  # type: ignore[method-assign]

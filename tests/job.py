@@ -22,7 +22,7 @@ from lightning.pytorch.loggers.logger import Logger
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models import NoSkipGPT, TinyGPT, TwiceGPT, loader  # noqa: E402
+from models import NoSkipGPT, TinyGPT, TwiceGPT, WrappedGPT, loader  # noqa: E402
 
 import lightning_pp  # noqa: E402,F401
 
@@ -84,7 +84,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model_cls = {"tiny": TinyGPT, "noskip": NoSkipGPT, "twice": TwiceGPT}[cfg.get("model", "tiny")]
+    model_cls = {"tiny": TinyGPT, "noskip": NoSkipGPT, "twice": TwiceGPT, "wrapped": WrappedGPT}[
+        cfg.get("model", "tiny")
+    ]
     model = model_cls(
         n_layers=cfg.get("n_layers", 4),
         optimizer=cfg.get("optimizer", "adamw"),
@@ -102,7 +104,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         strategy = lightning_pp.PipelineStrategy(
             schedule=cfg.get("schedule", "1f1b"),
             n_microbatches=cfg.get("m"),
-            layers="net.blocks",
+            layers=cfg.get("layers", "net.blocks"),
             balance=cfg.get("balance"),
             timeout=cfg.get("timeout", 60),
         )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import lightning as L
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -129,3 +130,45 @@ class TwiceGPT(TinyGPT):
 
     def training_step(self, batch, batch_idx):
         return self._loss(batch) + self._loss(batch)
+
+
+class Core(nn.Module):
+    """A plain network; the LightningModule below wraps it and calls it directly."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32, n_layers: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleDict({str(i): Block(dim) for i in range(n_layers)})
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens) if self.embed is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h) * scale  # every stage needs `scale`: it travels as the call's second argument
+        return self.head(h) if self.head is not None else h
+
+
+class WrappedGPT(L.LightningModule):
+    """Keeps the network in ``self.model`` and calls ``self.model(x, scale)`` from a tuple-batch step."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, **_: object) -> None:
+        super().__init__()
+        self.model = Core(n_layers=n_layers)
+        self.lr = lr
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        tokens, targets = batch["tokens"], batch["targets"]
+        scale = torch.full((tokens.shape[0], 1, 1), 0.9)
+        return F.cross_entropy(self.model(tokens, scale).flatten(0, 1), targets.flatten())
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        self.log("train_max", loss, reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=self.lr)

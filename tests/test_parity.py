@@ -30,12 +30,15 @@ SCENARIOS = {
     "gpipe-4-sgd-clip": dict(
         schedule="gpipe", devices=4, m=4, batch=8, n_train=48, clip=0.05, optimizer="sgd", lr=0.5, params=True
     ),
+    "gpipe-3-wrapped-network": dict(
+        schedule="gpipe", devices=3, m=3, batch=6, n_train=36, n_val=30, model="wrapped", layers="model.layers"
+    ),
     "1f1b-4-partial-syncdist": dict(schedule="1f1b", devices=4, m=4, batch=8, n_train=44, sync_dist=True),
 }
 
 
 def common(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("schedule", "devices", "m", "params")}
+    return {k: v for k, v in cfg.items() if k not in ("schedule", "devices", "m", "params", "layers")}
 
 
 def assert_same_logs(pipe: dict, ref: dict, tol: float) -> None:

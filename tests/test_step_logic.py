@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import capture_model_inputs, split_batch
+from lightning_pp.microbatch import capture_model_call, split_batch
 from lightning_pp.relay import LogRecord, LogRecorder, combine
 from lightning_pp.schedule import (
     check_batch_size,
@@ -78,8 +78,21 @@ def test_capture_stops_at_the_model_call_and_discards_earlier_logs():
             return self(batch["x"] * 2, scale=0.5).sum()
 
     module = M()
-    args, kwargs = capture_model_inputs(module, module.step, ({"x": torch.ones(2)}, 0), {}, "step")
-    assert torch.equal(args[0], torch.full((2,), 2.0)) and kwargs == {"scale": 0.5}
+    call = capture_model_call(module, {"": module}, module.step, ({"x": torch.ones(2)}, 0), {}, "step")
+    assert call.entry == "" and torch.equal(call.args[0], torch.full((2,), 2.0)) and call.kwargs == {"scale": 0.5}
+
+    class Wrapper(M):
+        def __init__(self):
+            super().__init__()
+            self.model = M()
+
+        def step(self, batch, idx):
+            return self.model(batch["x"]).sum()
+
+    wrapper = Wrapper()
+    entries = {"": wrapper, "model": wrapper.model}
+    call = capture_model_call(wrapper, entries, wrapper.step, ({"x": torch.ones(2)}, 0), {}, "step")
+    assert call.entry == "model"
 
     class Never(M):
         def step(self, batch, idx):
@@ -87,7 +100,7 @@ def test_capture_stops_at_the_model_call_and_discards_earlier_logs():
 
     never = Never()
     with pytest.raises(PipelineConfigError, match="never calls the model"):
-        capture_model_inputs(never, never.step, ({}, 0), {}, "training_step")
+        capture_model_call(never, {"": never}, never.step, ({}, 0), {}, "training_step")
 
 
 def test_logs_combine_over_microbatches_by_reduce_fx():
