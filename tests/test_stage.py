@@ -5,13 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from gpt import GPT  # noqa: E402
 from models import TinyGPT  # noqa: E402
 
 from lightning_pp.errors import PipelineConfigError  # noqa: E402
+from lightning_pp.examples.gpt import GPT  # noqa: E402
 from lightning_pp.stage import find_layers, plan_placement, prune_to_stage, trace_forward  # noqa: E402
 
 
