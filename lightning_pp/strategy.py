@@ -22,7 +22,6 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
@@ -36,6 +35,7 @@ from typing_extensions import override
 from lightning_pp.checkpoint import OptimizerLayout, gather_model_state, gather_optimizer_state, keep_local_parameters
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.launch import PipelineLauncher
 from lightning_pp.microbatch import batch_size_of, capture_model_call, split_batch
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.relay import broadcast_report, replay
@@ -157,7 +157,7 @@ class PipelineStrategy(ParallelStrategy):
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = PipelineLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:

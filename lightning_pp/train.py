@@ -1,0 +1,177 @@
+"""The Hydra app: ``python -m lightning_pp.train [overrides]`` (``-m`` for sweeps).
+
+One job seeds, builds strategy, model, data, trainer, logger and callbacks from ``conf/`` by
+instantiation, fits, validates, and writes into the job's directory the Lightning logs, a
+``result.json`` (rank 0) and a ``rank{r}.json`` from every rank, so anyone can check that each
+rank ran the job's own configuration.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.microbatch import batch_size_of
+from lightning_pp.schedule import normalize_schedule
+from lightning_pp.strategy import PipelineStrategy
+
+_CHILD_EXIT_S = 120
+
+
+class Throughput(Callback):
+    """Samples (and tokens) per second between training-batch ends, after the warm-up steps."""
+
+    def __init__(self, warmup: int = 2) -> None:
+        self.warmup = warmup
+        self.ends: list[float] = []
+        self.samples: list[int] = []
+        self.tokens: list[int | None] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *_: Any):
+        self.ends.append(time.perf_counter())
+        self.samples.append(batch_size_of(batch))
+        self.tokens.append(_tokens(batch))
+
+    def rates(self) -> tuple[float | None, float | None]:
+        skip = min(self.warmup, len(self.ends) - 2)  # keep at least one interval
+        if skip < 0:
+            return None, None
+        span = self.ends[-1] - self.ends[skip]
+        tokens = self.tokens[skip + 1 :]
+        samples_per_s = sum(self.samples[skip + 1 :]) / span
+        tokens_per_s = None if None in tokens else sum(tokens) / span  # type: ignore[arg-type]
+        return samples_per_s, tokens_per_s
+
+
+def _tokens(batch: Any) -> int | None:
+    """Tokens in a batch whose first leaf is a (batch, sequence) tensor of token ids; else None."""
+    first = torch.utils._pytree.tree_flatten(batch)[0][0]
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return first.numel()
+    return None
+
+
+def check_config(cfg: DictConfig) -> None:
+    """Overrides that cannot work, named by their config key, before any process starts."""
+    try:
+        normalize_schedule(cfg.strategy.schedule)
+    except (PipelineConfigError, NotImplementedError) as error:
+        raise PipelineConfigError(f"strategy.schedule={cfg.strategy.schedule}: {error}") from None
+    devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
+    if not isinstance(devices, int):
+        return
+    world = devices * nodes
+    stages = cfg.strategy.get("pipeline_parallel_size") or world
+    if world % stages:
+        raise PipelineConfigError(
+            f"strategy.pipeline_parallel_size={stages} does not divide trainer.devices x trainer.num_nodes ="
+            f" {devices} x {nodes} = {world}; choose a stage count that divides {world}."
+        )
+    n_layers = cfg.model.get("n_layers")
+    if isinstance(n_layers, int) and n_layers < stages:
+        raise PipelineConfigError(
+            f"model.n_layers={n_layers} is less than the {stages} pipeline stages (trainer.devices x"
+            f" trainer.num_nodes = {world}); use more layers or fewer devices."
+        )
+
+
+@contextlib.contextmanager
+def job_scope() -> Iterator[None]:
+    """Leave the process as the job found it, so that the next job of a sweep starts its own ranks.
+
+    After a job, rank 0 still holds LOCAL_RANK, MASTER_PORT and friends; the next job's Trainer
+    would then think its processes were started externally, start none and wait for them.
+    """
+    environment = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+def run(cfg: DictConfig) -> dict[str, Any]:
+    check_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    out = Path(HydraConfig.get().runtime.output_dir)
+    throughput = Throughput()
+    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()] + [throughput]
+    logger = instantiate(cfg.logger) if cfg.get("logger") else False
+    strategy = instantiate(cfg.strategy)
+    trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
+    model, data = instantiate(cfg.model), instantiate(cfg.data)
+
+    start = time.perf_counter()
+    trainer.fit(model, datamodule=data)
+    train_loss = trainer.callback_metrics.get("train_loss")
+    val_loss = trainer.validate(model, datamodule=data, verbose=False)[0].get("val_loss")
+    wall = time.perf_counter() - start
+
+    rank = trainer.global_rank
+    (out / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "world_size": trainer.world_size,
+                "pid": os.getpid(),
+                "cluster_environment": type(trainer.strategy.cluster_environment).__name__,
+                "strategy": OmegaConf.to_container(cfg.strategy, resolve=True),
+                "threads": torch.get_num_threads(),
+                "train_loss": None if train_loss is None else float(train_loss),
+                "val_loss": val_loss,
+            },
+            indent=1,
+        )
+    )
+    result: dict[str, Any] = {}
+    if trainer.is_global_zero:
+        samples_per_s, tokens_per_s = throughput.rates()
+        batch = getattr(data, "batch_size", None)
+        n_microbatches = (
+            strategy.microbatches_for(batch)
+            if isinstance(strategy, PipelineStrategy) and isinstance(batch, int)
+            else cfg.strategy.get("n_microbatches")
+        )
+        result = {
+            "schedule": getattr(strategy, "schedule", None),
+            "stages": getattr(strategy, "n_stages", 1),
+            "n_microbatches": n_microbatches,
+            "world_size": trainer.world_size,
+            "train_loss": None if train_loss is None else float(train_loss),
+            "val_loss": val_loss,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": tokens_per_s,
+            "wall_s": wall,
+            "overrides": list(HydraConfig.get().overrides.task),
+        }
+        (out / "result.json").write_text(json.dumps(result, indent=1))
+    for child in getattr(trainer.strategy.launcher, "procs", []):
+        child.wait(timeout=_CHILD_EXIT_S)
+    return result
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    with job_scope():
+        run(cfg)
+
+
+if __name__ == "__main__":
+    main()

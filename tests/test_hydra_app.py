@@ -1,0 +1,217 @@
+"""The Hydra app: configs compose, bad overrides name their key, multirun jobs run their own ranks,
+and a job spans two loopback nodes (torchrun) or a SLURM-style launch."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+from hydra import compose, initialize_config_module
+
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.train import check_config
+
+QUICK = ["trainer.max_epochs=1", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
+         "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
+         "data.batch_size=8"]  # fmt: skip
+
+
+def compose_app(*overrides: str):
+    with initialize_config_module("lightning_pp.conf", version_base="1.3"):
+        return compose("config", overrides=list(overrides), return_hydra_config=True)
+
+
+def app(args: list[str], cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "lightning_pp.train", *args], cwd=cwd, env=env or child_env(),
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    (metrics,) = run_dir.glob("logs/version_*/metrics.csv")
+    with metrics.open() as f:
+        return [float(r["train_loss"]) for r in csv.DictReader(f) if r.get("train_loss")]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model=gpt_small"],
+        ["model=digits_mlp", "data=digits"],
+        ["trainer=gpu"],
+        ["trainer=slurm", "hydra/launcher=slurm"],
+        ["logger=tensorboard", "callbacks=none"],
+        ["strategy.schedule=gpipe", "strategy.balance=[1,3]", "strategy.n_microbatches=8"],
+    ],
+)
+def test_every_config_group_composes(overrides):
+    cfg = compose_app(*overrides)
+    assert cfg.strategy._target_ == "lightning_pp.PipelineStrategy"
+    assert set(cfg.strategy) - {"_target_"} == {
+        "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
+        "activation_checkpointing", "state_dict_type", "timeout",
+    }  # fmt: skip
+    assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+    if "hydra/launcher=slurm" in overrides:
+        assert cfg.hydra.launcher.nodes == 2 and cfg.hydra.launcher.tasks_per_node == 4
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["strategy.schedule=pipedream"], r"strategy.schedule=pipedream: Unknown schedule"),
+        (["strategy.pipeline_parallel_size=3", "trainer.devices=2"], r"strategy.pipeline_parallel_size=3 does not"),
+        (["trainer.devices=4", "trainer.num_nodes=2", "model.n_layers=4"], r"model.n_layers=4 is less than the 8"),
+    ],
+)
+def test_bad_overrides_name_the_config_key(overrides, match):
+    with pytest.raises(PipelineConfigError, match=match):
+        check_config(compose_app(*overrides))
+
+
+def test_bad_override_fails_the_app_before_any_process_starts(tmp_path):
+    proc = app(["strategy.schedule=pipedream", f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=60)
+    assert proc.returncode != 0
+    assert "strategy.schedule=pipedream: Unknown schedule='pipedream'" in proc.stderr
+    assert not (tmp_path / "run" / "rank0.json").exists()
+
+
+def test_default_job_writes_results_and_learns(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = app([*QUICK, "trainer.limit_train_batches=40", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["schedule"] == "1f1b" and result["stages"] == 2 and result["world_size"] == 2
+    assert result["n_microbatches"] == 8 and result["tokens_per_s"] == pytest.approx(32 * result["samples_per_s"])
+    assert result["val_loss"] < 3.0 < 4.0 < logged_losses(run_dir)[0]  # ln(64) = 4.16 at the start
+    for rank in range(2):
+        info = json.loads((run_dir / f"rank{rank}.json").read_text())
+        assert info["world_size"] == 2 and info["strategy"]["schedule"] == "1f1b" and info["threads"] == 1
+
+
+def test_digits_job(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = app(["model=digits_mlp", "data=digits", *QUICK, "data.batch_size=32", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["tokens_per_s"] is None and result["samples_per_s"] > 0 and result["val_loss"] < 2.3
+
+
+def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = app(["-m", "strategy.n_microbatches=2,4", "trainer.devices=2,3", "strategy.schedule=gpipe", *QUICK,
+                f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
+    assert len(jobs) == 4
+    seen = set()
+    for job in jobs:
+        result = json.loads((job / "result.json").read_text())
+        overrides = dict(o.split("=", 1) for o in result["overrides"])
+        devices, m = int(overrides["trainer.devices"]), int(overrides["strategy.n_microbatches"])
+        seen.add((devices, m))
+        ranks = sorted(job.glob("rank*.json"))
+        assert len(ranks) == devices  # every rank of this job wrote into this job's directory
+        pids = set()
+        for path in ranks:
+            info = json.loads(path.read_text())
+            assert info["world_size"] == devices and info["strategy"]["n_microbatches"] == m
+            assert info["strategy"]["schedule"] == "gpipe"
+            pids.add(info["pid"])
+        assert len(pids) == devices
+    assert seen == {(2, 2), (2, 4), (3, 2), (3, 4)}
+    with (sweep / "summary.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert list(rows[0])[:8] == ["job", "schedule", "stages", "n_microbatches", "train_loss", "val_loss",
+                                 "samples_per_s", "wall_s"]  # fmt: skip
+    assert "trainer.devices" in rows[0] and len(rows) == 4
+    for row in rows:
+        assert 0 < float(row["train_loss"]) < 10 and 0 < float(row["val_loss"]) < 10
+        assert int(row["stages"]) == int(row["trainer.devices"])
+    assert (sweep / "summary.png").stat().st_size > 10_000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def one_node_losses(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one_node")
+    proc = app([*QUICK, f"hydra.run.dir={tmp}/run"], tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return logged_losses(tmp / "run")
+
+
+def test_two_loopback_nodes_match_one_node(tmp_path, one_node_losses):
+    run_dir, port = tmp_path / "run", _free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "-m",
+                "lightning_pp.train",
+                *QUICK,
+                "trainer.num_nodes=2",
+                "trainer.devices=1",
+                f"hydra.run.dir={run_dir}",
+                f"hydra.output_subdir={'.hydra' if node == 0 else 'null'}",
+            ],
+            cwd=tmp_path,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    for rank in range(2):
+        info = json.loads((run_dir / f"rank{rank}.json").read_text())
+        assert info["world_size"] == 2 and info["cluster_environment"] == "TorchElasticEnvironment"
+    losses = logged_losses(run_dir)
+    assert len(losses) == len(one_node_losses) >= 6
+    assert max(abs(a - b) for a, b in zip(losses, one_node_losses)) <= 2e-4
+
+
+def test_slurm_style_launch_matches_one_node(tmp_path, one_node_losses):
+    run_dir, port = tmp_path / "run", _free_port()
+    procs = {}
+    for rank in (1, 0):  # started out of launch order, as srun may
+        env = {**child_env(), "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
+               "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "pp",
+               "SLURM_NODELIST": "127.0.0.1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1"}  # fmt: skip
+        args = [*QUICK, f"hydra.run.dir={run_dir}", f"hydra.output_subdir={'.hydra' if rank == 0 else 'null'}"]
+        procs[rank] = subprocess.Popen([sys.executable, "-m", "lightning_pp.train", *args], cwd=tmp_path, env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    outputs = {r: p.communicate(timeout=240)[0] for r, p in procs.items()}
+    assert all(p.returncode == 0 for p in procs.values()), outputs[0][-3000:] + outputs[1][-3000:]
+    for rank in range(2):
+        info = json.loads((run_dir / f"rank{rank}.json").read_text())
+        assert info["cluster_environment"] == "SLURMEnvironment" and info["world_size"] == 2
+    losses = logged_losses(run_dir)
+    assert max(abs(a - b) for a, b in zip(losses, one_node_losses)) <= 2e-4
+    assert os.environ.get("SLURM_PROCID") is None
