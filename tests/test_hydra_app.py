@@ -215,3 +215,14 @@ def test_slurm_style_launch_matches_one_node(tmp_path, one_node_losses):
     losses = logged_losses(run_dir)
     assert max(abs(a - b) for a, b in zip(losses, one_node_losses)) <= 2e-4
     assert os.environ.get("SLURM_PROCID") is None
+
+
+def test_a_users_own_config_dir_reaches_every_rank(tmp_path):
+    mine = tmp_path / "my_conf"
+    mine.mkdir()
+    (mine / "experiment.yaml").write_text("defaults:\n  - config\n  - _self_\nstrategy:\n  schedule: gpipe\n")
+    run_dir = tmp_path / "run"
+    proc = app(["--config-dir", str(mine), "--config-name", "experiment", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(2):
+        assert json.loads((run_dir / f"rank{rank}.json").read_text())["strategy"]["schedule"] == "gpipe"
