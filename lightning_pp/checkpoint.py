@@ -7,7 +7,10 @@ one process and resumes under any stage count (restoring happens before the modu
 
 from __future__ import annotations
 
+import os
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -87,3 +90,21 @@ def gather_optimizer_state(
         merged.update(part)
     param_groups = [{**g, "params": list(layout.groups[i])} for i, g in enumerate(local["param_groups"])]
     return {"state": dict(sorted(merged.items())), "param_groups": param_groups}
+
+
+# A deterministic fault for tests of torn checkpoints: "<rank>:<n>" kills that rank during its n-th
+# save, after its part is written and before the checkpoint is renamed into place.
+FAULT_ENV = "LIGHTNING_PP_KILL_DURING_SAVE"
+_saves = 0
+
+
+def fault_point(rank: int) -> None:
+    global _saves
+    _saves += 1
+    if os.environ.get(FAULT_ENV) == f"{rank}:{_saves}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def partial_path(path: Path) -> Path:
+    """Where a checkpoint is written before every rank has confirmed its part."""
+    return path.with_name(f".{path.name}.partial")

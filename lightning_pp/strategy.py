@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 import torch
@@ -32,7 +33,14 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
-from lightning_pp.checkpoint import OptimizerLayout, gather_model_state, gather_optimizer_state, keep_local_parameters
+from lightning_pp.checkpoint import (
+    OptimizerLayout,
+    fault_point,
+    gather_model_state,
+    gather_optimizer_state,
+    keep_local_parameters,
+    partial_path,
+)
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
@@ -432,6 +440,23 @@ class PipelineStrategy(ParallelStrategy):
             return optimizer.state_dict()
         layout = self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
         return gather_optimizer_state(optimizer, layout, None)
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
+    ) -> None:
+        """Write to a temporary name; rename only once every rank has done its part.
+
+        A rank that dies during the save leaves the previous checkpoint at ``filepath`` intact.
+        """
+        path = Path(filepath)
+        partial = partial_path(path)
+        if self.is_global_zero:
+            self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+        fault_point(self.global_rank)
+        self.barrier("save_checkpoint")
+        if self.is_global_zero:
+            os.replace(partial, path)
 
     @override
     def teardown(self) -> None:

@@ -78,6 +78,7 @@ def reference(tmp_path_factory):
             result = job_module.run({**cfg, "strategy": "single", "threads": 1, "out": str(out)})
             ckpt = torch.load(out / "final.ckpt", weights_only=False)
             result["state"], result["optimizer"] = ckpt["state_dict"], ckpt["optimizer_states"][0]
+            result["out"] = out
             result["initial"] = torch.load(out / "initial.pt")
             cache[key] = result
         return cache[key]

@@ -111,6 +111,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()
     callbacks: list[Callback] = [seen, Pid(out, cfg.get("kill_rank"), cfg.get("kill_step", 2))]
+    os.environ.update(cfg.get("env", {}))
+    if cfg.get("save_every"):
+        every = ModelCheckpoint(out / "ckpts", "{step}", every_n_train_steps=cfg["save_every"], save_top_k=-1)
+        callbacks.append(every)
     if cfg.get("monitor"):
         best = ModelCheckpoint(dirpath=out / "ckpts", filename="best", monitor="val_loss", save_top_k=1)
         callbacks += [best, EarlyStopping(monitor="val_loss", patience=10)]
@@ -127,7 +131,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         logger=logger,
         callbacks=callbacks,
         log_every_n_steps=1,
-        enable_checkpointing=bool(cfg.get("monitor")),
+        enable_checkpointing=bool(cfg.get("monitor") or cfg.get("save_every")),
         val_check_interval=cfg.get("val_check_interval"),
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -135,7 +139,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     )
     if trainer.global_rank == 0:
         torch.save(model.state_dict(), out / "initial.pt")
-    trainer.fit(model, train, val)
+    trainer.fit(model, train, val, ckpt_path=cfg.get("resume"))
     trainer.save_checkpoint(out / "final.ckpt")
     result = {
         "rank": trainer.global_rank,

@@ -1,0 +1,60 @@
+"""Checkpoints written under the pipeline load on one process and resume under any layout;
+a rank that dies during a save leaves the previous checkpoint usable."""
+
+from __future__ import annotations
+
+import torch
+from conftest import ok, run_job
+from models import TinyGPT
+from test_errors import assert_all_ranks_gone
+from test_parity import LOSS_TOL
+
+from lightning_pp.checkpoint import FAULT_ENV
+
+BASE = dict(batch=8, n_train=64, sanity=0, n_val=16, max_epochs=3)
+
+
+def after(rows: list[dict], step: int) -> list[float]:
+    return [r["train_loss"] for r in rows if "train_loss" in r and r["step"] >= step]
+
+
+def test_full_checkpoint_resumes_under_another_stage_count_schedule_and_one_process(tmp_path, reference):
+    first = ok(run_job({**BASE, "strategy": "pipeline", "devices": 2, "schedule": "1f1b", "m": 2, "max_steps": 4},
+                       tmp_path / "first"))  # fmt: skip
+    ckpt = first.out / "final.ckpt"
+    assert torch.load(ckpt, weights_only=False)["global_step"] == 4
+    one_process_first = reference(**BASE, max_steps=4)
+
+    # compare resumed with resumed: the one-process run resumed from its own checkpoint at step 4
+    expected = after(reference(**BASE, max_steps=8, resume=str(one_process_first["out"] / "final.ckpt"))["logged"], 4)
+    assert len(expected) == 4
+
+    three = ok(run_job({**BASE, "strategy": "pipeline", "devices": 3, "schedule": "gpipe", "m": 4, "max_steps": 8,
+                        "resume": str(ckpt)}, tmp_path / "three"))  # fmt: skip
+    one = reference(**BASE, max_steps=8, resume=str(ckpt))
+    for got in (after(three.rank(0)["logged"], 4), after(one["logged"], 4)):
+        assert len(got) == len(expected)
+        assert max(abs(a - b) for a, b in zip(got, expected)) <= LOSS_TOL, (got, expected)
+    # every rank of the resumed pipeline continued from the same state
+    assert abs(three.rank(2)["train"][-1]["train_loss"] - expected[-1]) <= LOSS_TOL
+
+
+def test_one_process_checkpoint_resumes_under_the_pipeline(tmp_path, reference):
+    start = reference(**BASE, max_steps=4)
+    expected = after(reference(**BASE, max_steps=8, resume=str(start["out"] / "final.ckpt"))["logged"], 4)
+    job = ok(run_job({**BASE, "strategy": "pipeline", "devices": 2, "m": 2, "max_steps": 8,
+                      "resume": str(start["out"] / "final.ckpt")}, tmp_path / "job"))  # fmt: skip
+    got = after(job.rank(0)["logged"], 4)
+    assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= LOSS_TOL
+
+
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+    job = run_job({**BASE, "strategy": "pipeline", "devices": 2, "m": 2, "save_every": 2, "max_steps": 8,
+                   "timeout": 30, "env": {FAULT_ENV: "1:2"}}, tmp_path / "job", timeout=120)  # fmt: skip
+    assert job.returncode != 0 and job.seconds < 60
+    ckpts = job.out / "ckpts"
+    assert not (ckpts / "step=4.ckpt").exists()  # the save rank 1 died in never landed
+    previous = ckpts / "step=2.ckpt"
+    assert torch.load(previous, weights_only=False)["global_step"] == 2
+    TinyGPT.load_from_checkpoint(previous)
+    assert_all_ranks_gone(job.out, 2)
