@@ -46,6 +46,34 @@ def split_batch(batch: Any, n_microbatches: int) -> list[Any]:
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(n_microbatches)]
 
 
+def merge_microbatches(outputs: list[Any]) -> Any:
+    """What one call on the whole batch would have returned: tensors joined on dim 0.
+
+    Scalars and non-tensor leaves that agree across micro-batches are kept once; others become a
+    list with one entry per micro-batch.
+    """
+    flat = [tree_flatten(out) for out in outputs]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        return outputs
+    merged = []
+    for leaves in zip(*(leaves for leaves, _ in flat)):
+        first = leaves[0]
+        if isinstance(first, torch.Tensor) and first.dim() > 0:
+            merged.append(torch.cat(leaves))
+        elif all(_same(first, other) for other in leaves[1:]):
+            merged.append(first)
+        else:
+            merged.append(list(leaves))
+    return tree_unflatten(merged, spec)
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and bool(torch.equal(a, b))
+    return a is b or a == b
+
+
 def signature(batch: Any) -> tuple:
     """Shapes and dtypes of the tensor leaves: the pipeline's buffers are valid for one signature only."""
     return tuple(

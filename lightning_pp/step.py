@@ -121,6 +121,7 @@ class PipelineRunner:
         self._step_kwargs: dict = {}
         self._microbatches: list[Any] = []
         self._losses: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, Any] = {}  # what the user's step returned, per micro-batch (last stage)
         self._recorder = LogRecorder()
         self._loss_scale = 1.0
 
@@ -142,6 +143,7 @@ class PipelineRunner:
         self._wrapper.mb_size = rows // n_microbatches
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
         self._microbatches, self._losses, self._loss_scale = microbatches, {}, loss_scale
+        self.outputs = {}
         self._recorder = LogRecorder()
         self._recorder.weight = float(self._wrapper.mb_size)
 
@@ -186,6 +188,7 @@ class PipelineRunner:
             return _shape_inference_loss(output)
         index = int(target[0]) // self._wrapper.mb_size
         result = self._user_step(index, self._wrapper.outputs.pop(index))
+        self.outputs[index] = result
         loss = _loss_of(result)
         if loss is None:
             if self._current.schedule._has_backward:

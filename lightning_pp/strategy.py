@@ -44,7 +44,7 @@ from lightning_pp.checkpoint import (
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
-from lightning_pp.microbatch import batch_size_of, capture_model_call, split_batch
+from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_microbatches, split_batch
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.relay import broadcast_report, replay
 from lightning_pp.schedule import check_batch_size, check_microbatches, default_microbatches, normalize_schedule
@@ -268,10 +268,29 @@ class PipelineStrategy(ParallelStrategy):
         return None
 
     @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """The last stage's predictions, joined over micro-batches, handed to global rank 0."""
+        with self.precision_plugin.predict_step_context():
+            self._pipelined("predict_step", args, kwargs, train=False)
+        assert self._runner is not None
+        last = self.n_stages - 1
+        box = [None]
+        if self.global_rank == last:
+            outputs = self._runner.outputs
+            box[0] = merge_microbatches([outputs[i] for i in sorted(outputs)])
+        if last != 0 and self.global_rank == last:
+            dist.send_object_list(box, dst=0)
+        elif last != 0 and self.global_rank == 0:
+            dist.recv_object_list(box, src=last)
+        return box[0] if self.global_rank == 0 else None
+
+    @override
     def on_predict_start(self) -> None:
-        raise NotImplementedError(
-            "trainer.predict under PipelineStrategy is planned (issue 4); predict on one process from a checkpoint."
-        )
+        trainer = self.lightning_module.trainer
+        if not self.is_global_zero:
+            # predictions live on global rank 0 only; trainer.predict returns None elsewhere
+            trainer.predict_loop.return_predictions = False
+        self._check_loaders("predict", trainer.predict_dataloaders, trainer.num_predict_batches)
 
     def _pipelined(
         self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0

@@ -152,6 +152,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     }
     if cfg.get("monitor"):
         result["best_score"] = float(trainer.checkpoint_callback.best_model_score)
+    if cfg.get("predict"):
+        predictions = trainer.predict(model, val)
+        result["predictions_none"] = predictions is None
+        if trainer.global_rank == 0:
+            torch.save(predictions, out / "predictions.pt")
     if cfg.get("test"):
         trainer.validate(model, val, verbose=False)
         result["validate"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}

@@ -76,6 +76,10 @@ class TinyGPT(L.LightningModule):
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self._loss(batch))
 
+    def predict_step(self, batch, batch_idx):
+        logits = self(batch["tokens"])
+        return {"probs": logits.softmax(-1), "tokens": logits.argmax(-1), "batch_idx": batch_idx}
+
     def configure_optimizers(self):
         if self.hparams.optimizer == "sgd":
             return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)

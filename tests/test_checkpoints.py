@@ -58,3 +58,17 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     assert torch.load(previous, weights_only=False)["global_step"] == 2
     TinyGPT.load_from_checkpoint(previous)
     assert_all_ranks_gone(job.out, 2)
+
+
+def test_predict_returns_one_process_predictions_on_rank_zero_only(tmp_path, reference):
+    cfg = dict(batch=8, n_train=32, n_val=20, val_batch=4, predict=True)
+    job = ok(run_job({**cfg, "strategy": "pipeline", "devices": 3, "schedule": "gpipe", "m": 2}, tmp_path / "job"))
+    ref = reference(**cfg)
+    mine = torch.load(job.out / "predictions.pt", weights_only=False)
+    theirs = torch.load(ref["out"] / "predictions.pt", weights_only=False)
+    assert len(mine) == len(theirs) == 5  # one entry per batch, in batch order
+    for a, b in zip(mine, theirs):
+        assert a["batch_idx"] == b["batch_idx"] and torch.equal(a["tokens"], b["tokens"])
+        assert torch.allclose(a["probs"], b["probs"], atol=1e-5, rtol=0)
+    assert job.rank(0)["predictions_none"] is False
+    assert job.rank(1)["predictions_none"] is True and job.rank(2)["predictions_none"] is True
