@@ -9,13 +9,14 @@ bar and loggers on rank 0 and ``callback_metrics`` everywhere see the same numbe
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
+
+from lightning_pp.stage import get_path
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCTIONS: dict[Any, str] = {
@@ -32,6 +33,7 @@ class LogRecord:
     value: torch.Tensor
     options: dict[str, Any]
     weight: float
+    metric: str | None = None  # dotted path of a logged torchmetrics object, replayed as that object
 
 
 @dataclass
@@ -40,6 +42,7 @@ class StepReport:
 
     loss: torch.Tensor | None
     logs: list[LogRecord]
+    metric_states: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def reduction_of(reduce_fx: Any, name: str) -> str:
@@ -56,20 +59,23 @@ def reduction_of(reduce_fx: Any, name: str) -> str:
 class LogRecorder:
     """Stands in for ``LightningModule.log`` while the user's step runs on one micro-batch."""
 
-    def __init__(self) -> None:
+    def __init__(self, metric_paths: dict[int, str] | None = None) -> None:
         self.records: list[LogRecord] = []
         self.weight = 1.0
+        self._metric_paths = metric_paths or {}
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         bound = _LOG_SIGNATURE.bind(None, *args, **kwargs)
         bound.apply_defaults()
         options = {k: v for k, v in bound.arguments.items() if k not in ("self", "name", "value")}
         name, value = bound.arguments["name"], bound.arguments["value"]
+        if id(value) in self._metric_paths:
+            self.records.append(LogRecord(name, torch.zeros(()), options, self.weight, self._metric_paths[id(value)]))
+            return
         if not isinstance(value, (torch.Tensor, int, float, bool)):
             raise TypeError(
-                f"self.log({name!r}, {type(value).__name__}): under the pipeline, log tensors or numbers; logging"
-                " torchmetrics objects from a pipelined step is planned (issue 4): log metric.compute() or the"
-                " value the metric's forward returns instead."
+                f"self.log({name!r}, {type(value).__name__}): under the pipeline, log tensors, numbers or"
+                " torchmetrics objects that are attributes of the LightningModule."
             )
         reduction_of(options["reduce_fx"], name)
         tensor = value.detach().clone() if isinstance(value, torch.Tensor) else torch.tensor(float(value))
@@ -85,6 +91,9 @@ def combine(records: list[LogRecord]) -> list[LogRecord]:
         by_name.setdefault(record.name, []).append(record)
     combined = []
     for name, group in by_name.items():
+        if group[-1].metric is not None:
+            combined.append(group[-1])  # the metric's own state makes its value; see metrics.py
+            continue
         kind = reduction_of(group[0].options["reduce_fx"], name)
         values = torch.stack([r.value.float().reshape(()) for r in group])
         weights = torch.tensor([r.weight for r in group], dtype=values.dtype)
@@ -108,7 +117,8 @@ def broadcast_report(report: StepReport | None, src: int, group: dist.ProcessGro
     if report is not None:
         report = StepReport(
             None if report.loss is None else report.loss.detach().cpu(),
-            [LogRecord(r.name, r.value.cpu(), r.options, r.weight) for r in report.logs],
+            [LogRecord(r.name, r.value.cpu(), r.options, r.weight, r.metric) for r in report.logs],
+            report.metric_states,
         )
     box = [report]
     dist.broadcast_object_list(box, src=src, group=group)
@@ -116,7 +126,8 @@ def broadcast_report(report: StepReport | None, src: int, group: dist.ProcessGro
     return box[0]
 
 
-def replay(log: Callable[..., Any], records: list[LogRecord], device: torch.device) -> None:
+def replay(module: LightningModule, records: list[LogRecord], device: torch.device) -> None:
     """Log the combined values through Lightning, once per name, on this rank."""
     for record in records:
-        log(record.name, record.value.to(device), **record.options)
+        value = get_path(module, record.metric) if record.metric else record.value.to(device)
+        module.log(record.name, value, **record.options)

@@ -218,8 +218,14 @@ def plan_placement(module: nn.Module, path: str, n_stages: int, balance: Balance
 
     placed_parts: dict[str, tuple[int, ...]] = {}
     for name, part in parts.items():
-        stages = stages_at(trace.uses[name]) if name in trace.uses else (n_stages - 1,)
-        if len(stages) > 1 and any(True for _ in part.parameters()):
+        has_params = any(True for _ in part.parameters())
+        if name in trace.uses:
+            stages = stages_at(trace.uses[name])
+        else:
+            # never called by forward (loss modules, metrics): with parameters on the last stage, where the
+            # step runs; without, on every stage, so that metrics mirrored from the last stage exist everywhere
+            stages = (n_stages - 1,) if has_params else tuple(range(n_stages))
+        if len(stages) > 1 and has_params and name in trace.uses:
             raise PipelineConfigError(
                 f"'{name}' has parameters and forward uses it on stages {list(stages)}; parameters used by more"
                 " than one stage are not supported yet. Give each stage its own copy, or choose a balance"

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import failures_shared
+from lightning_pp.metrics import MetricTap
 from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import schedule_class
@@ -122,6 +123,7 @@ class PipelineRunner:
         self._microbatches: list[Any] = []
         self._losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}  # what the user's step returned, per micro-batch (last stage)
+        self._tap = MetricTap(module)
         self._recorder = LogRecorder()
         self._loss_scale = 1.0
 
@@ -144,7 +146,7 @@ class PipelineRunner:
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
         self._microbatches, self._losses, self._loss_scale = microbatches, {}, loss_scale
         self.outputs = {}
-        self._recorder = LogRecorder()
+        self._recorder = LogRecorder(self._tap.paths)
         self._recorder.weight = float(self._wrapper.mb_size)
 
         pipe = self._pipe(train, n_microbatches, signature(batch))
@@ -152,7 +154,7 @@ class PipelineRunner:
         sample_index = torch.arange(rows)
         target = sample_index if self.is_last else None
         try:
-            with failures_shared(dist.get_rank(), dist.get_world_size()):
+            with failures_shared(dist.get_rank(), dist.get_world_size()), self._tap.recording():
                 if train:
                     pipe.schedule.step(mb=sample_index, target=target, return_outputs=False)
                 else:
@@ -165,7 +167,7 @@ class PipelineRunner:
             return None
         losses = [self._losses[i] for i in sorted(self._losses)]
         loss = torch.stack(losses).mean() if losses and len(losses) == n_microbatches else None
-        return StepReport(loss, combine(self._recorder.records))
+        return StepReport(loss, combine(self._recorder.records), self._tap.states())
 
     def _pipe(self, train: bool, n_microbatches: int, shape_key: tuple) -> _Pipe:
         """One stage and schedule per batch signature and mode: torch freezes shapes at first use."""

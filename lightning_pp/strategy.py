@@ -44,6 +44,7 @@ from lightning_pp.checkpoint import (
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
+from lightning_pp.metrics import keep_metric_sync_local, load_states
 from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_microbatches, split_batch
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.relay import broadcast_report, replay
@@ -299,7 +300,9 @@ class PipelineStrategy(ParallelStrategy):
         m = self.microbatches_for(batch_size_of(args[0]))
         report = runner.run(hook, args, kwargs, m, train=train, loss_scale=loss_scale)
         report = broadcast_report(report, src=self.n_stages - 1, group=None)
-        replay(self.lightning_module.log, report.logs, self.root_device)
+        if self.global_rank != self.n_stages - 1:
+            load_states(self.lightning_module, report.metric_states, self.root_device)
+        replay(self.lightning_module, report.logs, self.root_device)
         return None if report.loss is None else report.loss.to(self.root_device)
 
     def microbatches_for(self, batch_size: int) -> int:
@@ -319,6 +322,7 @@ class PipelineStrategy(ParallelStrategy):
             trace = trace_forward(module, self.layers, lambda: type(model).forward(model, *call.args, **call.kwargs))
             self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace)
             rank_zero_info(self._placement.describe(module))
+        keep_metric_sync_local(module)
         stage = module
         if self._fitting and not self._pruned:
             # training frees what other stages own: their parameters, gradients and optimizer state
@@ -461,9 +465,7 @@ class PipelineStrategy(ParallelStrategy):
         return gather_optimizer_state(optimizer, layout, None)
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Write to a temporary name; rename only once every rank has done its part.
 
         A rank that dies during the save leaves the previous checkpoint at ``filepath`` intact.

@@ -93,6 +93,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         lr=cfg.get("lr", 1e-2),
         sync_dist=cfg.get("sync_dist", False),
         plateau=cfg.get("monitor", False),
+        metrics=cfg.get("metrics", False),
     )
     batch = cfg.get("batch", 8)
     train = loader(cfg.get("n_train", 64), batch, seed=0)

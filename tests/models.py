@@ -9,6 +9,7 @@ from __future__ import annotations
 import lightning as L
 import torch
 import torch.nn.functional as F
+import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -43,12 +44,17 @@ class TinyGPT(L.LightningModule):
         optimizer: str = "adamw",
         sync_dist: bool = False,
         plateau: bool = False,
+        metrics: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.net = Net(vocab, dim, n_layers, seq)
         self.final_norm = nn.LayerNorm(dim)
         self.criterion = nn.CrossEntropyLoss()
+        if metrics:
+            self.train_acc = torchmetrics.classification.MulticlassAccuracy(vocab, average="micro")
+            self.val_acc = torchmetrics.classification.MulticlassAccuracy(vocab, average="micro")
+            self.val_f1 = torchmetrics.classification.MulticlassF1Score(vocab, average="macro")
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = tokens
@@ -65,13 +71,29 @@ class TinyGPT(L.LightningModule):
         return self.criterion(logits.flatten(0, 1), batch["targets"].flatten())
 
     def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
+        logits = self(batch["tokens"])
+        loss = self.criterion(logits.flatten(0, 1), batch["targets"].flatten())
         self.log("train_loss", loss, prog_bar=True, sync_dist=self.hparams.sync_dist)
         self.log("train_max", loss, reduce_fx="max", on_step=True, on_epoch=False)
+        if self.hparams.metrics:
+            self.train_acc(logits.flatten(0, 1), batch["targets"].flatten())
+            self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
         return {"loss": loss}
 
     def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch), sync_dist=self.hparams.sync_dist)
+        logits = self(batch["tokens"])
+        self.log("val_loss", self.criterion(logits.flatten(0, 1), batch["targets"].flatten()),
+                 sync_dist=self.hparams.sync_dist)  # fmt: skip
+        if self.hparams.metrics:
+            self.val_acc.update(logits.flatten(0, 1), batch["targets"].flatten())
+            self.val_f1.update(logits.flatten(0, 1), batch["targets"].flatten())
+            self.log("val_acc", self.val_acc)
+
+    def on_validation_epoch_end(self):
+        if self.hparams.metrics:
+            # a non-step hook on every rank: works because every rank holds the mirrored state
+            self.log("val_f1", self.val_f1.compute())
+            self.val_f1.reset()
 
     def test_step(self, batch, batch_idx):
         self.log("test_loss", self._loss(batch))

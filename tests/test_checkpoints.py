@@ -72,3 +72,21 @@ def test_predict_returns_one_process_predictions_on_rank_zero_only(tmp_path, ref
         assert torch.allclose(a["probs"], b["probs"], atol=1e-5, rtol=0)
     assert job.rank(0)["predictions_none"] is False
     assert job.rank(1)["predictions_none"] is True and job.rank(2)["predictions_none"] is True
+
+
+def test_torchmetrics_logged_from_the_step_equal_one_process(tmp_path, reference):
+    cfg = dict(batch=8, n_train=40, n_val=24, metrics=True, lr=3e-3)
+    job = ok(run_job({**cfg, "strategy": "pipeline", "devices": 2, "schedule": "1f1b", "m": 4}, tmp_path / "job"))
+    ref = reference(**cfg)
+
+    def values(rows, key):
+        return [r[key] for r in rows if key in r]
+
+    for key in ("train_acc_step", "train_acc_epoch", "val_acc", "val_f1"):
+        expected = values(ref["logged"], key)
+        got = values(job.rank(0)["logged"], key)
+        assert len(got) == len(expected) >= 1, key
+        assert all(0 < v < 1 for v in expected), (key, expected)  # informative values, not 0 or 1
+        assert max(abs(a - b) for a, b in zip(got, expected)) <= 1e-6, (key, got, expected)
+    for rank in range(2):  # every rank's callbacks see the epoch values
+        assert abs(job.rank(rank)["val"][-1]["val_acc"] - ref["val"][-1]["val_acc"]) <= 1e-6

@@ -46,7 +46,7 @@ def test_parts_are_placed_by_forward_order_not_attribute_order():
     p = place(HeadFirst(), "layers", 2, torch.zeros(2, 3, dtype=torch.long))
     assert p.parts["embed"] == (0,) and p.parts["drop"] == (0,)
     assert p.parts["norm"] == (1,) and p.parts["head"] == (1,)
-    assert p.parts["loss_fn"] == (1,)  # forward never calls it: the last stage, where the step runs
+    assert p.parts["loss_fn"] == (0, 1)  # forward never calls it and it has no parameters: every stage
     assert p.layers_of(0) == ["0", "1"] and p.layers_of(1) == ["2", "3"]
 
 
@@ -58,7 +58,7 @@ def test_a_part_between_layers_follows_the_layer_before_it():
 def test_nested_layers_loose_parameter_and_unused_loss_module():
     model = TinyGPT(n_layers=4)
     p = place(model, "net.blocks", 2, torch.zeros(2, 8, dtype=torch.long))
-    assert p.parts == {"final_norm": (1,), "criterion": (1,), "net.embed": (0,), "net.head": (1,)}
+    assert p.parts == {"final_norm": (1,), "criterion": (0, 1), "net.embed": (0,), "net.head": (1,)}
     assert p.params == {"net.pos": (0,)}
 
 
@@ -76,6 +76,13 @@ def test_prune_keeps_names_and_splits_every_parameter_once():
     assert set(stages[0]) | set(stages[1]) == keys
     assert "tok_embeddings.weight" in stages[0] and "output.weight" in stages[1]
     assert "layers.3.layer.linear1.weight" in stages[1]
+
+
+def test_an_unused_part_with_parameters_lives_on_the_last_stage():
+    model = HeadFirst()
+    model.aux = nn.Linear(8, 8)  # used only by the step, never by forward
+    p = place(model, "layers", 3, torch.zeros(2, 3, dtype=torch.long))
+    assert p.parts["aux"] == (2,)
 
 
 def test_balance_parameters_moves_layers_away_from_a_heavy_head():
