@@ -34,7 +34,7 @@ def test_validate_test_fit_in_any_order_in_one_process(tmp_path):
     # rank 0 logs the placement once, for the first pipelined call
     log = proc.stdout + proc.stderr
     assert log.count("Pipeline placement (2 stages, layers at 'net.blocks'):") == 1
-    assert "stage 0: layers b0..b1 (2), parts ['net.embed', 'net.pos']" in log
+    assert "stage 0: layers b0..b1 (2), parts ['criterion', 'net.embed', 'net.pos']" in log
     assert "stage 1: layers b2..b3 (2), parts ['final_norm', 'criterion', 'net.head']" in log
 
 
