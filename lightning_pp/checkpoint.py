@@ -1,13 +1,17 @@
-"""Full checkpoints from pruned stages: one file, in the layout one process would write.
+"""Checkpoints from pruned stages, readable by one process and by any other layout.
 
-Each rank holds one stage's weights and optimizer state; rank 0 gathers them into the keys and
-parameter indices of the whole module, so the file loads with ``Module.load_from_checkpoint`` on
-one process and resumes under any stage count (restoring happens before the module is pruned).
+Full (default): rank 0 gathers every stage's weights and optimizer state into the keys and
+parameter indices of the whole module: one ordinary file that loads with
+``Module.load_from_checkpoint`` on one process. Sharded: each rank writes its own parameters and
+optimizer state with ``torch.distributed.checkpoint``, keyed by parameter names, into a directory.
+Either resumes under any stage count: restoring happens before the module is pruned, into the
+whole module and an optimizer that still holds every parameter.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,16 +24,20 @@ from torch import nn
 
 @dataclass(frozen=True)
 class OptimizerLayout:
-    """One-process parameter indices of each param group, and the ones this rank kept."""
+    """One-process parameter indices (and names) of each param group, and the indices this rank kept."""
 
     groups: tuple[tuple[int, ...], ...]
     kept: tuple[tuple[int, ...], ...]
+    names: tuple[tuple[str, ...], ...]
 
 
-def keep_local_parameters(optimizer: torch.optim.Optimizer, local: set[int]) -> OptimizerLayout:
-    """Drop parameters (and their state) this rank does not own, keeping the one-process order."""
+def keep_local_parameters(optimizer: torch.optim.Optimizer, local: set[int], names: dict[int, str]) -> OptimizerLayout:
+    """Drop parameters (and their state) this rank does not own, keeping the one-process order.
+
+    ``names`` maps ``id(parameter)`` to its name in the whole module.
+    """
     start = 0
-    groups, kept = [], []
+    groups, kept, group_names = [], [], []
     for group in optimizer.param_groups:
         params = group["params"]
         indices = range(start, start + len(params))
@@ -38,10 +46,11 @@ def keep_local_parameters(optimizer: torch.optim.Optimizer, local: set[int]) -> 
         for p, k in zip(params, keep):
             if not k:
                 optimizer.state.pop(p, None)
+        group_names.append(tuple(names[id(p)] for p in params))
         group["params"] = [p for p, k in zip(params, keep) if k]
         groups.append(tuple(indices))
         kept.append(tuple(i for i, k in zip(indices, keep) if k))
-    return OptimizerLayout(tuple(groups), tuple(kept))
+    return OptimizerLayout(tuple(groups), tuple(kept), tuple(group_names))
 
 
 def _to_cpu(obj: Any) -> Any:
@@ -108,3 +117,84 @@ def fault_point(rank: int) -> None:
 def partial_path(path: Path) -> Path:
     """Where a checkpoint is written before every rank has confirmed its part."""
     return path.with_name(f".{path.name}.partial")
+
+
+def replace_atomically(partial: Path, path: Path) -> None:
+    """Move a finished checkpoint (file or directory) into place; an existing one stays until then."""
+    if partial.is_dir() and path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(partial, path)
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:
+            old.unlink()
+    else:
+        os.replace(partial, path)
+
+
+# ---------------------------------------------------------------------------- sharded checkpoints
+META_FILE = "meta.pt"
+
+
+def optimizer_state_by_name(optimizer: torch.optim.Optimizer, layout: OptimizerLayout) -> dict[str, Any]:
+    """This rank's optimizer state keyed by parameter name, and the one-process groups by name."""
+    local = optimizer.state_dict()
+    to_name = [layout.names[g][layout.groups[g].index(i)] for g, kept in enumerate(layout.kept) for i in kept]
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": list(layout.names[g])}
+        for g, group in enumerate(local["param_groups"])
+    ]
+    return {"state": {to_name[i]: v for i, v in local["state"].items()}, "param_groups": groups}
+
+
+def one_process_optimizer_state(by_name: dict[str, Any]) -> dict[str, Any]:
+    """The optimizer state dict one process would hold, from a name-keyed one."""
+    index, state, groups = 0, {}, []
+    for group in by_name["param_groups"]:
+        indices = []
+        for name in group["params"]:
+            if name in by_name["state"]:
+                state[index] = by_name["state"][name]
+            indices.append(index)
+            index += 1
+        groups.append({**group, "params": indices})
+    return {"state": state, "param_groups": groups}
+
+
+def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
+    """Every rank writes its weights and optimizer state into ``path`` (a directory); rank 0 the rest."""
+    import torch.distributed.checkpoint as dcp
+
+    shards = {
+        "model": checkpoint.pop("state_dict"),
+        "optimizers": {str(i): {"state": opt["state"]} for i, opt in enumerate(checkpoint.get("optimizer_states", []))},
+    }
+    groups = [opt["param_groups"] for opt in checkpoint.pop("optimizer_states", [])]
+    dcp.save(shards, checkpoint_id=path)
+    if rank == 0:
+        torch.save({**checkpoint, "optimizer_param_groups": groups}, path / META_FILE)
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir() and (path / META_FILE).is_file()
+
+
+def load_sharded(path: Path) -> dict[str, Any]:
+    """A sharded checkpoint as the dict one process would have saved (read whole, without collectives)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    shards: dict[str, Any] = {}
+    _load_state_dict(shards, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    checkpoint = torch.load(path / META_FILE, weights_only=False)
+    groups = checkpoint.pop("optimizer_param_groups")
+    checkpoint["state_dict"] = shards["model"]
+    optimizers = shards.get("optimizers", {})
+    checkpoint["optimizer_states"] = [
+        one_process_optimizer_state({"state": optimizers.get(str(i), {}).get("state", {}), "param_groups": g})
+        for i, g in enumerate(groups)
+    ]
+    return checkpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -38,8 +39,13 @@ from lightning_pp.checkpoint import (
     fault_point,
     gather_model_state,
     gather_optimizer_state,
+    is_sharded,
     keep_local_parameters,
+    load_sharded,
+    optimizer_state_by_name,
     partial_path,
+    replace_atomically,
+    save_sharded,
 )
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
@@ -98,13 +104,10 @@ class PipelineStrategy(ParallelStrategy):
             raise NotImplementedError(
                 "activation_checkpointing=True is planned (issue 7); use activation_checkpointing=False for now."
             )
-        if state_dict_type == "sharded":
-            raise NotImplementedError(
-                "state_dict_type='sharded' is planned (issue 4: sharded checkpoints); use 'full' for now."
-            )
-        if state_dict_type != "full":
+        if state_dict_type not in ("full", "sharded"):
             raise PipelineConfigError(
-                f"Unknown state_dict_type={state_dict_type!r}; use 'full' (or 'sharded', planned)."
+                f"Unknown state_dict_type={state_dict_type!r}; use 'full' (one .ckpt file gathered on rank 0) or"
+                " 'sharded' (a directory written by every rank with torch.distributed.checkpoint)."
             )
         if isinstance(balance, str):
             resolve_balance(balance, 1, 1)  # reject unknown and planned modes now, not at the first batch
@@ -327,10 +330,11 @@ class PipelineStrategy(ParallelStrategy):
         if self._fitting and not self._pruned:
             # training frees what other stages own: their parameters, gradients and optimizer state
             self._state_keys = list(module.state_dict().keys())
+            names = {id(p): n for n, p in module.named_parameters()}
             prune_to_stage(module, self._placement, self.global_rank)
             for entry in model_entries(module, self.layers).values():
                 _guard_forward(entry, self._placement, self.global_rank, type(module).__name__)
-            self._keep_local_parameters()
+            self._keep_local_parameters(names)
             self._pruned = True
         elif not self._pruned:
             stage = stage_view(module, self._placement, self.global_rank)
@@ -347,9 +351,9 @@ class PipelineStrategy(ParallelStrategy):
         )
         return self._runner
 
-    def _keep_local_parameters(self) -> None:
+    def _keep_local_parameters(self, names: dict[int, str]) -> None:
         local = {id(p) for p in self.lightning_module.parameters()}
-        self._optimizer_layouts = [keep_local_parameters(_unwrap(opt), local) for opt in self.optimizers]
+        self._optimizer_layouts = [keep_local_parameters(_unwrap(opt), local, names) for opt in self.optimizers]
 
     # ------------------------------------------------------------------ data
     @override
@@ -452,17 +456,32 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._pruned:
+        if not self._pruned or self.state_dict_type == "sharded":
             return super().lightning_module_state_dict()
         return gather_model_state(self.lightning_module, self._state_keys, None)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
+        if self.state_dict_type == "sharded":
+            if not self._pruned:  # nothing split yet: this rank holds every parameter
+                names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+                return optimizer_state_by_name(optimizer, keep_local_parameters(optimizer, set(names), names))
+            return optimizer_state_by_name(optimizer, self._layout_of(optimizer))
         if not self._pruned:
             return optimizer.state_dict()
-        layout = self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
-        return gather_optimizer_state(optimizer, layout, None)
+        return gather_optimizer_state(optimizer, self._layout_of(optimizer), None)
+
+    def _layout_of(self, optimizer: torch.optim.Optimizer) -> OptimizerLayout:
+        return self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Either format, from any layout: both are read into the one-process layout."""
+        path = Path(checkpoint_path)
+        if is_sharded(path):
+            return load_sharded(path)
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -472,12 +491,17 @@ class PipelineStrategy(ParallelStrategy):
         """
         path = Path(filepath)
         partial = partial_path(path)
-        if self.is_global_zero:
+        if self.state_dict_type == "sharded":
+            if self.is_global_zero and partial.exists():
+                shutil.rmtree(partial)
+            self.barrier("save_checkpoint_start")
+            save_sharded(checkpoint, partial, self.global_rank)
+        elif self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
         fault_point(self.global_rank)
         self.barrier("save_checkpoint")
         if self.is_global_zero:
-            os.replace(partial, path)
+            replace_atomically(partial, path)
 
     @override
     def teardown(self) -> None:

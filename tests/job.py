@@ -107,6 +107,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             n_microbatches=cfg.get("m"),
             layers=cfg.get("layers", "net.blocks"),
             balance=cfg.get("balance"),
+            state_dict_type=cfg.get("state_dict_type", "full"),
             timeout=cfg.get("timeout", 60),
         )
         devices = cfg["devices"]
@@ -141,7 +142,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if trainer.global_rank == 0:
         torch.save(model.state_dict(), out / "initial.pt")
     trainer.fit(model, train, val, ckpt_path=cfg.get("resume"))
-    trainer.save_checkpoint(out / "final.ckpt")
+    trainer.save_checkpoint(out / "final.ckpt")  # a directory when state_dict_type="sharded"
     result = {
         "rank": trainer.global_rank,
         "logged": logger.rows,

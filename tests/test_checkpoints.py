@@ -3,6 +3,10 @@ a rank that dies during a save leaves the previous checkpoint usable."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 from conftest import ok, run_job
 from models import TinyGPT
@@ -10,6 +14,7 @@ from test_errors import assert_all_ranks_gone
 from test_parity import LOSS_TOL
 
 from lightning_pp.checkpoint import FAULT_ENV
+from lightning_pp.consolidate import consolidate
 
 BASE = dict(batch=8, n_train=64, sanity=0, n_val=16, max_epochs=3)
 
@@ -48,16 +53,52 @@ def test_one_process_checkpoint_resumes_under_the_pipeline(tmp_path, reference):
     assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= LOSS_TOL
 
 
-def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, state_dict_type):
     job = run_job({**BASE, "strategy": "pipeline", "devices": 2, "m": 2, "save_every": 2, "max_steps": 8,
-                   "timeout": 30, "env": {FAULT_ENV: "1:2"}}, tmp_path / "job", timeout=120)  # fmt: skip
+                   "timeout": 30, "env": {FAULT_ENV: "1:2"}, "state_dict_type": state_dict_type},
+                  tmp_path / "job", timeout=120)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     ckpts = job.out / "ckpts"
     assert not (ckpts / "step=4.ckpt").exists()  # the save rank 1 died in never landed
     previous = ckpts / "step=2.ckpt"
+    if state_dict_type == "sharded":
+        assert previous.is_dir()
+        previous = consolidate(previous, tmp_path / "previous.ckpt")
     assert torch.load(previous, weights_only=False)["global_step"] == 2
     TinyGPT.load_from_checkpoint(previous)
     assert_all_ranks_gone(job.out, 2)
+
+
+def test_sharded_checkpoint_reshards_and_consolidates(tmp_path, reference):
+    first = ok(run_job({**BASE, "strategy": "pipeline", "devices": 2, "schedule": "1f1b", "m": 2, "max_steps": 4,
+                        "state_dict_type": "sharded"}, tmp_path / "first"))  # fmt: skip
+    ckpt = first.out / "final.ckpt"
+    assert ckpt.is_dir() and (ckpt / "meta.pt").is_file()
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]  # one shard per rank
+    start = reference(**BASE, max_steps=4)
+    expected = after(reference(**BASE, max_steps=8, resume=str(start["out"] / "final.ckpt"))["logged"], 4)
+
+    # resharded: 2 stages -> 3 stages, the other schedule
+    three = ok(run_job({**BASE, "strategy": "pipeline", "devices": 3, "schedule": "gpipe", "m": 4, "max_steps": 8,
+                        "resume": str(ckpt), "state_dict_type": "sharded"}, tmp_path / "three"))  # fmt: skip
+    got = after(three.rank(0)["logged"], 4)
+    assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= LOSS_TOL
+
+    # consolidated into one ordinary file: plain Lightning loads and resumes it on one process
+    full = tmp_path / "full.ckpt"
+    proc = subprocess.run([sys.executable, "-m", "lightning_pp.consolidate", str(ckpt), str(full)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    consolidated = torch.load(full, weights_only=False)
+    assert set(consolidated["state_dict"]) == set(start["state"])
+    assert [g["params"] for g in consolidated["optimizer_states"][0]["param_groups"]] == [
+        g["params"] for g in start["optimizer"]["param_groups"]
+    ]
+    TinyGPT.load_from_checkpoint(full)
+    one = reference(**BASE, max_steps=8, resume=str(full))
+    got = after(one["logged"], 4)
+    assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= LOSS_TOL
 
 
 def test_predict_returns_one_process_predictions_on_rank_zero_only(tmp_path, reference):
