@@ -163,8 +163,9 @@ def one_process_optimizer_state(by_name: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
-    """Every rank writes its weights and optimizer state into ``path`` (a directory); rank 0 the rest."""
+def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, group: dist.ProcessGroup | None) -> None:
+    """Every rank of ``group`` (one pipeline replica) writes its weights and optimizer state into ``path``
+    (a directory); global rank 0 also the rest of the checkpoint."""
     import torch.distributed.checkpoint as dcp
 
     shards = {
@@ -172,7 +173,7 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int) -> None:
         "optimizers": {str(i): {"state": opt["state"]} for i, opt in enumerate(checkpoint.get("optimizer_states", []))},
     }
     groups = [opt["param_groups"] for opt in checkpoint.pop("optimizer_states", [])]
-    dcp.save(shards, checkpoint_id=path)
+    dcp.save(shards, checkpoint_id=path, process_group=group)
     if rank == 0:
         torch.save({**checkpoint, "optimizer_param_groups": groups}, path / META_FILE)
 

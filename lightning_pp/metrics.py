@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchmetrics import Metric
 
@@ -28,10 +29,16 @@ def find_metrics(module: nn.Module) -> dict[str, Metric]:
     return {name: m for name, m in module.named_modules() if isinstance(m, Metric)}
 
 
-def keep_metric_sync_local(module: nn.Module) -> None:
-    """Every rank holds the same state, so a world-wide sync in ``compute`` would count it once per rank."""
+def sync_metrics_over(module: nn.Module, replicas: dist.ProcessGroup | None) -> None:
+    """Sync ``compute`` over the pipeline replicas only: within a replica every rank holds the same state.
+
+    A world-wide sync would count a replica's state once per stage; with one replica there is nothing to sync.
+    """
     for metric in find_metrics(module).values():
-        metric.distributed_available_fn = _never_distributed
+        if replicas is None:
+            metric.distributed_available_fn = _never_distributed
+        else:
+            metric.process_group = replicas
 
 
 class MetricTap:

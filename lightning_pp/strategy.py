@@ -18,6 +18,7 @@ from lightning.fabric.utilities.distributed import (
     _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -47,10 +48,11 @@ from lightning_pp.checkpoint import (
     replace_atomically,
     save_sharded,
 )
-from lightning_pp.clipping import clip_by_global_norm
+from lightning_pp.clipping import average_over_replicas, clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
-from lightning_pp.metrics import keep_metric_sync_local, load_states
+from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
+from lightning_pp.metrics import load_states, sync_metrics_over
 from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_microbatches, split_batch
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.relay import broadcast_report, replay
@@ -128,7 +130,8 @@ class PipelineStrategy(ParallelStrategy):
         self._state_keys: list[str] = []
         self._optimizer_layouts: list[OptimizerLayout] = []
         self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
-        self._replace_random_samplers = True
+        self._replace_random_samplers = False
+        self._groups = Groups(pp=None, dp=None)
         self._fitting = False
         self._pruned = False
 
@@ -156,14 +159,23 @@ class PipelineStrategy(ParallelStrategy):
         return True
 
     @property
+    def layout(self) -> Layout:
+        """This rank's place in the (replica, stage) grid."""
+        return make_layout(self.pipeline_parallel_size, self.world_size, self.global_rank)
+
+    @property
     def n_stages(self) -> int:
-        return self.world_size
+        return self.layout.pp
+
+    @property
+    def stage_index(self) -> int:
+        return self.layout.stage
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of the one pipeline must see the same batches
-        return {"num_replicas": 1, "rank": 0}
+        # every stage of one pipeline replica must see the same batches: shard by replica only
+        return {"num_replicas": self.layout.dp, "rank": self.layout.replica}
 
     @override
     def _configure_launcher(self) -> None:
@@ -174,7 +186,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self.set_world_ranks()
-        check_world(self.pipeline_parallel_size, self.world_size)
+        layout = self.layout  # checks pipeline_parallel_size before any collective
         super().setup_environment()
         if self.root_device.type == "cpu":
             # Lightning's launcher sets OMP_NUM_THREADS only after spawning the other ranks
@@ -185,6 +197,9 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        self._groups = make_groups(layout, self.root_device.type)
+        if layout.dp > 1:
+            rank_zero_info(layout.describe(self.num_processes))
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -199,10 +214,11 @@ class PipelineStrategy(ParallelStrategy):
         if self._placement is None:
             check_module(module, self.layers, self.balance, self.n_stages)
         check_training_setup(module, self.precision_plugin, self.schedule, self.n_microbatches, self.n_stages)
-        # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); one pipeline
-        # replica keeps the user's order instead, see process_dataloader
-        self._replace_random_samplers = trainer._accelerator_connector.use_distributed_sampler
-        trainer._accelerator_connector.use_distributed_sampler = False
+        if self.layout.dp == 1:
+            # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
+            # pipeline replica keeps the user's order instead, see process_dataloader
+            self._replace_random_samplers = trainer._accelerator_connector.use_distributed_sampler
+            trainer._accelerator_connector.use_distributed_sampler = False
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
         self.model_to_device()
@@ -216,10 +232,8 @@ class PipelineStrategy(ParallelStrategy):
                 )
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        clip_by_global_norm(self.precision_plugin, None)
-        if trainer.state.fn == TrainerFn.FITTING:
-            from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
+        clip_by_global_norm(self.precision_plugin, self._groups.pp)
+        if self._fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
@@ -239,6 +253,7 @@ class PipelineStrategy(ParallelStrategy):
         try:
             with self.precision_plugin.train_step_context():
                 loss = self._pipelined("training_step", args, kwargs, train=True, loss_scale=scale)
+            average_over_replicas([p.grad for p in params if p.grad is not None], self._groups.dp)
             # Lightning zeroes gradients between training_step and backward: keep this step's aside
             self._step_grads = [(p, p.grad) for p in params]
         finally:
@@ -277,33 +292,35 @@ class PipelineStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             self._pipelined("predict_step", args, kwargs, train=False)
         assert self._runner is not None
-        last = self.n_stages - 1
+        first, last, rank = self.layout.first_stage_rank, self.layout.last_stage_rank, self.global_rank
         box = [None]
-        if self.global_rank == last:
+        if rank == last:
             outputs = self._runner.outputs
             box[0] = merge_microbatches([outputs[i] for i in sorted(outputs)])
-        if last != 0 and self.global_rank == last:
-            dist.send_object_list(box, dst=0)
-        elif last != 0 and self.global_rank == 0:
+        if first != last and rank == last:
+            dist.send_object_list(box, dst=first)
+        elif first != last and rank == first:
             dist.recv_object_list(box, src=last)
-        return box[0] if self.global_rank == 0 else None
+        return box[0] if rank == first else None
 
     @override
     def on_predict_start(self) -> None:
         trainer = self.lightning_module.trainer
-        if not self.is_global_zero:
-            # predictions live on global rank 0 only; trainer.predict returns None elsewhere
+        if self.global_rank != self.layout.first_stage_rank:
+            # predictions live on the first stage of each replica (global rank 0 for one pipeline)
             trainer.predict_loop.return_predictions = False
         self._check_loaders("predict", trainer.predict_dataloaders, trainer.num_predict_batches)
 
     def _pipelined(
         self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0
     ) -> Optional[Tensor]:
+        if len(args) < 2 or args[1] == 0:  # the first batch of each pass over a loader
+            check_same_batch(args[0], self._groups.pp)
         runner = self._ensure_pipeline(hook, args, kwargs)
         m = self.microbatches_for(batch_size_of(args[0]))
         report = runner.run(hook, args, kwargs, m, train=train, loss_scale=loss_scale)
-        report = broadcast_report(report, src=self.n_stages - 1, group=None)
-        if self.global_rank != self.n_stages - 1:
+        report = broadcast_report(report, src=self.layout.last_stage_rank, group=self._groups.pp)
+        if self.global_rank != self.layout.last_stage_rank:
             load_states(self.lightning_module, report.metric_states, self.root_device)
         replay(self.lightning_module, report.logs, self.root_device)
         return None if report.loss is None else report.loss.to(self.root_device)
@@ -325,26 +342,26 @@ class PipelineStrategy(ParallelStrategy):
             trace = trace_forward(module, self.layers, lambda: type(model).forward(model, *call.args, **call.kwargs))
             self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace)
             rank_zero_info(self._placement.describe(module))
-        keep_metric_sync_local(module)
+        sync_metrics_over(module, self._groups.dp)
         stage = module
         if self._fitting and not self._pruned:
             # training frees what other stages own: their parameters, gradients and optimizer state
             self._state_keys = list(module.state_dict().keys())
             names = {id(p): n for n, p in module.named_parameters()}
-            prune_to_stage(module, self._placement, self.global_rank)
+            prune_to_stage(module, self._placement, self.stage_index)
             for entry in model_entries(module, self.layers).values():
-                _guard_forward(entry, self._placement, self.global_rank, type(module).__name__)
+                _guard_forward(entry, self._placement, self.stage_index, type(module).__name__)
             self._keep_local_parameters(names)
             self._pruned = True
         elif not self._pruned:
-            stage = stage_view(module, self._placement, self.global_rank)
-        absent = self._placement.absent_on(self.global_rank)
+            stage = stage_view(module, self._placement, self.stage_index)
+        absent = self._placement.absent_on(self.stage_index)
         self._runner = PipelineRunner(
             stage,
-            self.global_rank,
+            self.stage_index,
             self.n_stages,
             self.root_device,
-            None,
+            self._groups.pp,
             self.schedule,
             model_entries(stage, self.layers),
             absent,
@@ -436,11 +453,12 @@ class PipelineStrategy(ParallelStrategy):
         group: Optional[Any] = None,
         reduce_op: Optional[Union[ReduceOp, str]] = "mean",
     ) -> Union[Tensor, Any]:
-        """``sync_dist`` reduces over the data-parallel replicas; a pure pipeline has one, so nothing to do.
+        """``sync_dist`` reduces over the pipeline replicas (every stage holds its replica's value), as DDP would.
 
-        Replayed logs hold the same value on every rank, and a world-wide reduce would wrongly sum stages.
+        A world-wide reduce would count each replica once per stage; a pure pipeline has nothing to reduce.
         """
-        if group is not None and isinstance(tensor, Tensor):
+        group = group if group is not None else self._groups.dp
+        if isinstance(tensor, Tensor) and (group is not None or self.layout.dp > 1):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
@@ -458,7 +476,9 @@ class PipelineStrategy(ParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if not self._pruned or self.state_dict_type == "sharded":
             return super().lightning_module_state_dict()
-        return gather_model_state(self.lightning_module, self._state_keys, None)
+        if self.layout.replica != 0:  # replicas are identical: replica 0 makes the file
+            return {}
+        return gather_model_state(self.lightning_module, self._state_keys, self._groups.pp)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -470,7 +490,9 @@ class PipelineStrategy(ParallelStrategy):
             return optimizer_state_by_name(optimizer, self._layout_of(optimizer))
         if not self._pruned:
             return optimizer.state_dict()
-        return gather_optimizer_state(optimizer, self._layout_of(optimizer), None)
+        if self.layout.replica != 0:
+            return {}
+        return gather_optimizer_state(optimizer, self._layout_of(optimizer), self._groups.pp)
 
     def _layout_of(self, optimizer: torch.optim.Optimizer) -> OptimizerLayout:
         return self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
@@ -495,7 +517,8 @@ class PipelineStrategy(ParallelStrategy):
             if self.is_global_zero and partial.exists():
                 shutil.rmtree(partial)
             self.barrier("save_checkpoint_start")
-            save_sharded(checkpoint, partial, self.global_rank)
+            if self.layout.replica == 0:  # one shard per stage, not per replica
+                save_sharded(checkpoint, partial, self.global_rank, self._groups.pp)
         elif self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
         fault_point(self.global_rank)
@@ -519,15 +542,6 @@ class PipelineStrategy(ParallelStrategy):
         )
         strategy_registry.register(
             "pipeline_gpipe", cls, description="Pipeline parallelism with the GPipe schedule", schedule="gpipe"
-        )
-
-
-def check_world(pipeline_parallel_size: Optional[int], world_size: int) -> None:
-    if pipeline_parallel_size is not None and pipeline_parallel_size != world_size:
-        raise NotImplementedError(
-            f"pipeline_parallel_size={pipeline_parallel_size} with {world_size} processes would need data parallelism"
-            " across pipeline replicas, which is planned (issue 5); leave pipeline_parallel_size=None or set it to"
-            f" the world size ({world_size})."
         )
 
 

@@ -98,9 +98,16 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     batch = cfg.get("batch", 8)
     train = loader(cfg.get("n_train", 64), batch, seed=0)
     val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1)
+    if cfg.get("bad_sampler"):
+        # shards by global rank: the stages of one pipeline replica would load different batches
+        rank, world = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))), cfg["devices"]
+        sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=world, rank=rank, shuffle=False)
+        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
     if cfg["strategy"] == "single":
         strategy: Any = "auto"
         devices = 1
+    elif cfg["strategy"] == "ddp":
+        strategy, devices = "ddp", cfg["devices"]
     else:
         strategy = lightning_pp.PipelineStrategy(
             schedule=cfg.get("schedule", "1f1b"),
@@ -108,6 +115,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             layers=cfg.get("layers", "net.blocks"),
             balance=cfg.get("balance"),
             state_dict_type=cfg.get("state_dict_type", "full"),
+            pipeline_parallel_size=cfg.get("pp"),
             timeout=cfg.get("timeout", 60),
         )
         devices = cfg["devices"]
@@ -123,6 +131,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
+        num_nodes=cfg.get("num_nodes", 1),
         strategy=strategy,
         max_steps=cfg.get("max_steps", -1),
         max_epochs=cfg.get("max_epochs", 1),

@@ -11,7 +11,8 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from models import TinyGPT
 
 from lightning_pp import PipelineConfigError, PipelineStrategy
-from lightning_pp.strategy import check_module, check_training_setup, check_world
+from lightning_pp.mesh import make_layout
+from lightning_pp.strategy import check_module, check_training_setup
 
 
 @pytest.mark.parametrize(
@@ -49,8 +50,8 @@ def test_checks_before_the_first_batch():
     model.automatic_optimization = False
     with pytest.raises(PipelineConfigError, match=r"manual optimization"):
         check_training_setup(model, Precision(), "1f1b", 4, 2)
-    with pytest.raises(NotImplementedError, match=r"pipeline_parallel_size=1 with 2 processes.*issue 5"):
-        check_world(1, 2)
+    with pytest.raises(PipelineConfigError, match=r"pipeline_parallel_size=3 does not divide the world size 4"):
+        make_layout(3, 4, 0)
 
 
 def _alive(pid: int) -> bool:
