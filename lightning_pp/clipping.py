@@ -1,4 +1,4 @@
-"""Gradients across ranks: averaged over pipeline replicas, clipped by the norm of the whole model.
+"""Gradient clipping by the norm of the whole model, not of one stage.
 
 Lightning clips through the precision plugin's ``clip_grad_by_norm``, which sees only this rank's
 parameters: each stage would clip by its own norm (silently wrong). FSDP and DeepSpeed override
@@ -23,24 +23,6 @@ def global_grad_norm(parameters: list[torch.nn.Parameter], group: dist.ProcessGr
     if dist.is_initialized():
         dist.all_reduce(squared, group=group)
     return squared.sqrt()[0]
-
-
-def average_over_replicas(grads: list[torch.Tensor], group: dist.ProcessGroup | None) -> None:
-    """Average each stage's gradients over its replicas in one all-reduce per dtype (``group``: None = none)."""
-    if group is None or not grads:
-        return
-    size = dist.get_world_size(group)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for same in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in same])
-        dist.all_reduce(flat, group=group)
-        flat /= size
-        offset = 0
-        for g in same:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
 
 
 class _ClipByGlobalNorm:

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
@@ -104,6 +105,7 @@ class PipelineRunner:
         schedule: str,
         entries: dict[str, nn.Module],
         absent: list[str],
+        replicas: dist.ProcessGroup | None = None,
     ) -> None:
         self.module = module
         self.stage_index = stage_index
@@ -113,6 +115,17 @@ class PipelineRunner:
         self.schedule_name = schedule
         self.is_last = stage_index == n_stages - 1
         self._wrapper = _StageModule(module, self.is_last, absent)
+        self._submodule: nn.Module = self._wrapper
+        if replicas is not None:
+            # torch's stages drive DDP themselves: no sync while micro-batches accumulate, then the
+            # gradients are averaged over the replicas during the last micro-batch's backward
+            self._submodule = DistributedDataParallel(
+                self._wrapper,
+                process_group=replicas,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                broadcast_buffers=False,
+                find_unused_parameters=True,
+            )
         self._entries = entries
         self._pipes: OrderedDict[tuple, _Pipe] = OrderedDict()
         self._current: _Pipe | None = None
@@ -174,7 +187,7 @@ class PipelineRunner:
         key = (train, n_microbatches, shape_key)
         pipe = self._pipes.get(key)
         if pipe is None:
-            stage = PipelineStage(self._wrapper, self.stage_index, self.n_stages, self.device, group=self.group)
+            stage = PipelineStage(self._submodule, self.stage_index, self.n_stages, self.device, group=self.group)
             schedule = schedule_class(self.schedule_name)(
                 stage, n_microbatches, loss_fn=self._last_stage_loss, scale_grads=False
             )

@@ -48,7 +48,7 @@ from lightning_pp.checkpoint import (
     replace_atomically,
     save_sharded,
 )
-from lightning_pp.clipping import average_over_replicas, clip_by_global_norm
+from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
@@ -253,7 +253,6 @@ class PipelineStrategy(ParallelStrategy):
         try:
             with self.precision_plugin.train_step_context():
                 loss = self._pipelined("training_step", args, kwargs, train=True, loss_scale=scale)
-            average_over_replicas([p.grad for p in params if p.grad is not None], self._groups.dp)
             # Lightning zeroes gradients between training_step and backward: keep this step's aside
             self._step_grads = [(p, p.grad) for p in params]
         finally:
@@ -365,6 +364,7 @@ class PipelineStrategy(ParallelStrategy):
             self.schedule,
             model_entries(stage, self.layers),
             absent,
+            self._groups.dp,
         )
         return self._runner
 
