@@ -99,3 +99,10 @@ def test_a_sampler_that_ignores_the_replica_fails_on_every_rank(tmp_path):
                   tmp_path / "job", timeout=120)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     assert job.output.count("The stages of one pipeline received different batches") >= 2, job.output[-3000:]
+
+
+def test_sharded_checkpoint_is_written_once_per_stage(tmp_path):
+    job = ok(run_job({**COMMON, "strategy": "pipeline", "devices": 4, "pp": 2, "m": 2, "max_steps": 2,
+                      "state_dict_type": "sharded"}, tmp_path / "job"))  # fmt: skip
+    shards = sorted(p.name for p in (job.out / "final.ckpt").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]  # replica 0's two stages; replica 1 writes nothing
