@@ -8,6 +8,7 @@ torch schedule (P2P) -> last-stage output -> the user's step with ``self(...)`` 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -53,8 +54,7 @@ class _StageModule(nn.Module):
         entry, args, kwargs = self.inputs[index]
         model = get_path(self.module, entry)
         if received:
-            # the previous stage's activations replace the leading inputs of the user's call
-            args = tuple(received) + tuple(args[len(received) :])
+            args, kwargs = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
         try:
             out = type(model).forward(model, *args, **kwargs)
         except (TypeError, AttributeError) as error:
@@ -77,6 +77,27 @@ class _StageModule(nn.Module):
             f"forward returned {type(out).__name__} on a stage that is not the last; a stage must hand the next"
             " one a tensor (or a tuple of tensors): return the hidden state when the later parts are None."
         )
+
+
+def replace_leading_inputs(
+    forward: Callable[..., Any], model: nn.Module, args: tuple, kwargs: dict, received: tuple
+) -> tuple[tuple, dict]:
+    """The user's call with the previous stage's activations in place of its leading inputs.
+
+    Leading in the order of ``forward``'s parameters, so ``self(x, mask)`` and
+    ``self.model(input_ids=x, mask=m)`` both get the hidden state where ``x`` was.
+    """
+    try:
+        bound = inspect.signature(forward).bind(model, *args, **kwargs)
+    except TypeError:
+        return tuple(received) + tuple(args[len(received) :]), kwargs
+    names = list(bound.signature.parameters)[1:]
+    kinds = [bound.signature.parameters[n].kind for n in names[: len(received)]]
+    if any(k in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for k in kinds):
+        return tuple(received) + tuple(args[len(received) :]), kwargs
+    for name, value in zip(names, received):
+        bound.arguments[name] = value
+    return tuple(bound.args[1:]), dict(bound.kwargs)
 
 
 class _Pipe:

@@ -131,3 +131,18 @@ def test_unsupported_log_values_and_reductions_are_named():
         recorder("x", 1.0, reduce_fx=len)
     with pytest.raises(TypeError, match=r"self.log\('x', str\)"):
         recorder("x", "text")
+
+
+def test_activations_replace_the_leading_inputs_positional_or_keyword():
+    from lightning_pp.step import replace_leading_inputs
+
+    class Net(nn.Module):
+        def forward(self, input_ids, mask=None, scale=1.0):
+            return input_ids
+
+    net, h = Net(), torch.ones(2, 3)
+    args, kwargs = replace_leading_inputs(Net.forward, net, (), {"input_ids": torch.zeros(2), "mask": 5}, (h,))
+    assert args[0] is h and args[1] == 5 and kwargs == {}
+    args, kwargs = replace_leading_inputs(Net.forward, net, (torch.zeros(2), 7), {"scale": 0.5}, (h,))
+    assert args[0] is h and args[1:] == (7, 0.5) and kwargs == {}
+    assert Net.forward(net, *args, **kwargs) is h
