@@ -5,11 +5,12 @@ Importing the package registers the strategy names ``"pipeline"`` (1F1B) and ``"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import PipelinePeerError
 from lightning_pp.strategy import PipelineStrategy
 
-__all__ = ["PipelineConfigError", "PipelinePeerError", "PipelineStrategy"]
+__all__ = ["PipelineConfigError", "PipelineMonitor", "PipelinePeerError", "PipelineStrategy"]
 __version__ = "0.1.0"
 
 if "pipeline" not in StrategyRegistry:

@@ -28,6 +28,7 @@ from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import schedule_class
 from lightning_pp.stage import get_path, patched
+from lightning_pp.telemetry import Event, StepRecorder
 
 _MAX_CACHED_SHAPES = 4
 
@@ -158,11 +159,20 @@ class PipelineRunner:
         self._losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}  # what the user's step returned, per micro-batch (last stage)
         self._tap = MetricTap(module)
+        self.recorder = StepRecorder(stage_index)
+        self.last_events: list[Event] = []
         self._recorder = LogRecorder()
         self._loss_scale = 1.0
 
     def run(
-        self, hook: str, args: tuple, kwargs: dict, n_microbatches: int, train: bool, loss_scale: float = 1.0
+        self,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        n_microbatches: int,
+        train: bool,
+        loss_scale: float = 1.0,
+        record: bool = False,
     ) -> StepReport | None:
         """One step of ``hook`` (``training_step``, ``validation_step``, ...) over the whole batch.
 
@@ -187,12 +197,14 @@ class PipelineRunner:
         self._current = pipe
         sample_index = torch.arange(rows)
         target = sample_index if self.is_last else None
+        recording = self.recorder.recording() if record else contextlib.nullcontext([])
         try:
-            with failures_shared(dist.get_rank(), dist.get_world_size()), self._tap.recording():
+            with failures_shared(dist.get_rank(), dist.get_world_size()), self._tap.recording(), recording as events:
                 if train:
                     pipe.schedule.step(mb=sample_index, target=target, return_outputs=False)
                 else:
                     pipe.schedule.eval(mb=sample_index, target=target)
+            self.last_events = list(events)
         finally:
             self._wrapper.outputs.clear()
             self._microbatches = []
@@ -212,6 +224,7 @@ class PipelineRunner:
             schedule = schedule_class(self.schedule_name)(
                 stage, n_microbatches, loss_fn=self._last_stage_loss, scale_grads=False
             )
+            self.recorder.instrument(stage, schedule)
             pipe = self._pipes[key] = _Pipe(stage, schedule)
             while len(self._pipes) > _MAX_CACHED_SHAPES:
                 self._pipes.popitem(last=False)

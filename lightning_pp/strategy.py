@@ -67,6 +67,7 @@ from lightning_pp.stage import (
     trace_forward,
 )
 from lightning_pp.step import PipelineRunner
+from lightning_pp.telemetry import Event
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -134,6 +135,8 @@ class PipelineStrategy(ParallelStrategy):
         self._groups = Groups(pp=None, dp=None)
         self._fitting = False
         self._pruned = False
+        # set by PipelineMonitor: time the next training step's compute and waits on this rank
+        self.record_next_step = False
 
     # ------------------------------------------------------------------ processes and devices
     @property
@@ -317,12 +320,20 @@ class PipelineStrategy(ParallelStrategy):
             check_same_batch(args[0], self._groups.pp)
         runner = self._ensure_pipeline(hook, args, kwargs)
         m = self.microbatches_for(batch_size_of(args[0]))
-        report = runner.run(hook, args, kwargs, m, train=train, loss_scale=loss_scale)
+        report = runner.run(
+            hook, args, kwargs, m, train=train, loss_scale=loss_scale, record=train and self.record_next_step
+        )
+        self.record_next_step = False
         report = broadcast_report(report, src=self.layout.last_stage_rank, group=self._groups.pp)
         if self.global_rank != self.layout.last_stage_rank:
             load_states(self.lightning_module, report.metric_states, self.root_device)
         replay(self.lightning_module, report.logs, self.root_device)
         return None if report.loss is None else report.loss.to(self.root_device)
+
+    @property
+    def last_step_events(self) -> list[Event]:
+        """This rank's timed events of the last recorded step (see ``PipelineMonitor``)."""
+        return self._runner.last_events if self._runner is not None else []
 
     def microbatches_for(self, batch_size: int) -> int:
         """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages]."""

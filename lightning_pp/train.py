@@ -25,6 +25,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size_of
 from lightning_pp.schedule import normalize_schedule
@@ -113,6 +114,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     out = Path(HydraConfig.get().runtime.output_dir)
     throughput = Throughput()
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()] + [throughput]
+    if cfg.get("monitor"):
+        callbacks.append(PipelineMonitor())
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     strategy = instantiate(cfg.strategy)
     trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)

@@ -122,6 +122,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     logger, seen = MemoryLogger(), Seen()
     callbacks: list[Callback] = [seen, Pid(out, cfg.get("kill_rank"), cfg.get("kill_step", 2))]
     os.environ.update(cfg.get("env", {}))
+    if cfg.get("monitor_pipeline"):
+        callbacks.append(lightning_pp.PipelineMonitor(dirpath=out))
     if cfg.get("save_every"):
         every = ModelCheckpoint(out / "ckpts", "{step}", every_n_train_steps=cfg["save_every"], save_top_k=-1)
         callbacks.append(every)

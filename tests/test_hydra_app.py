@@ -85,8 +85,13 @@ def test_bad_override_fails_the_app_before_any_process_starts(tmp_path):
 
 def test_default_job_writes_results_and_learns(tmp_path):
     run_dir = tmp_path / "run"
-    proc = app([*QUICK, "trainer.limit_train_batches=40", f"hydra.run.dir={run_dir}"], tmp_path)
+    proc = app([*QUICK, "trainer.limit_train_batches=40", "monitor=true", f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the monitor switch: timeline and Gantt chart of the last step next to the logs
+    assert {p.name for p in run_dir.glob("logs/version_0/pipeline_*")} == {
+        "pipeline_trace.json",
+        "pipeline_schedule.png",
+    }
     result = json.loads((run_dir / "result.json").read_text())
     assert result["schedule"] == "1f1b" and result["stages"] == 2 and result["world_size"] == 2
     assert result["n_microbatches"] == 8 and result["tokens_per_s"] == pytest.approx(32 * result["samples_per_s"])

@@ -1,0 +1,79 @@
+"""``PipelineMonitor``: what the pipeline did, per step: throughput, bubble, per-stage compute time."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+
+from lightning_pp.microbatch import batch_size_of
+from lightning_pp.strategy import PipelineStrategy
+from lightning_pp.telemetry import Event, chrome_trace, gantt_png, summarize
+
+
+class PipelineMonitor(Callback):
+    """Times every training step's schedule on every rank and logs, per step:
+
+    ``pipeline/samples_per_s`` (and ``pipeline/tokens_per_s`` for (batch, sequence) token batches),
+    ``pipeline/bubble`` (mean over stages of the time a stage waits on its peers / step time) and
+    ``pipeline/stage{s}_compute_s``. At the end of fit it writes the last step's timeline as
+    ``pipeline_trace.json`` (Chrome/Perfetto) and ``pipeline_schedule.png`` (Gantt chart) into
+    ``dirpath`` (default: the trainer's log directory). Step time is the wall time between
+    consecutive training-batch ends, optimizer step included.
+    """
+
+    def __init__(self, dirpath: str | Path | None = None) -> None:
+        self.dirpath = dirpath
+        self.last_events: list[Event] = []
+        self._last_end: float | None = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int):
+        if isinstance(trainer.strategy, PipelineStrategy):
+            trainer.strategy.record_next_step = True
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not isinstance(trainer.strategy, PipelineStrategy):
+            return
+        now = time.time()
+        events: list[list[Event]] = [[] for _ in range(trainer.world_size)]
+        dist.all_gather_object(events, trainer.strategy.last_step_events)
+        # one pipeline replica is enough: the stages of replica 0
+        stages = trainer.strategy.n_stages
+        mine = [e for rank_events in events[:stages] for e in rank_events]
+        previous, self._last_end = self._last_end, now
+        if not mine or previous is None:
+            return
+        step_s = now - previous
+        self.last_events = mine
+        samples = batch_size_of(batch) * trainer.strategy.layout.dp
+        values = {"pipeline/samples_per_s": samples / step_s}
+        first = torch.utils._pytree.tree_flatten(batch)[0][0]
+        if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+            values["pipeline/tokens_per_s"] = samples * first.shape[1] / step_s
+        summaries = summarize(mine)
+        values["pipeline/bubble"] = sum(s.wait_s for s in summaries) / len(summaries) / step_s
+        for s in summaries:
+            values[f"pipeline/stage{s.stage}_compute_s"] = s.compute_s
+        for name, value in values.items():
+            pl_module.log(name, value, on_step=True, on_epoch=False)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # trainer.log_dir broadcasts: every rank must ask for it
+        out = Path(self.dirpath or trainer.log_dir or trainer.default_root_dir)
+        if not trainer.is_global_zero or not self.last_events:
+            return
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pipeline_trace.json").write_text(json.dumps(chrome_trace(self.last_events)))
+        try:
+            schedule = getattr(trainer.strategy, "schedule", "")
+            gantt_png(self.last_events, out / "pipeline_schedule.png", title=f"{schedule}: last measured step")
+        except ImportError:  # matplotlib is an optional extra
+            pass

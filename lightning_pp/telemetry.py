@@ -1,0 +1,159 @@
+"""Timestamps of what a stage did during one step: compute (forward, backward per micro-batch) and waits.
+
+Compute is timed around the stage's ``forward_one_chunk``/``backward_one_chunk``; communication
+(waiting on peers, and posting sends and receives) around torch's ``_batch_p2p`` and
+``_wait_batch_p2p``, through which every schedule exchanges activations and gradients. Wall-clock times
+(``time.time``) so that events of different ranks on one machine share a time axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed.pipelining import schedules
+
+
+@dataclass(frozen=True)
+class Event:
+    stage: int
+    kind: str  # "F" forward, "B" backward, "L" loss (the user's step), "W" communicating (posting or waiting)
+    microbatch: int
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class StepRecorder:
+    """Collects events while ``recording`` is active; costs one attribute check otherwise."""
+
+    def __init__(self, stage: int) -> None:
+        self.stage = stage
+        self.events: list[Event] | None = None
+
+    def instrument(self, pipeline_stage: Any, schedule: Any) -> None:
+        pipeline_stage.forward_one_chunk = self._timed("F", pipeline_stage.forward_one_chunk, 0)
+        pipeline_stage.backward_one_chunk = self._timed("B", pipeline_stage.backward_one_chunk, 0)
+        if pipeline_stage.is_last:  # the loss, i.e. the user's step, runs outside the stage's forward
+            schedule._maybe_compute_loss = self._timed("L", schedule._maybe_compute_loss, 3)
+
+    def _timed(self, kind: str, method: Callable[..., Any], chunk_arg: int) -> Callable[..., Any]:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if self.events is None:
+                return method(*args, **kwargs)
+            start = time.time()
+            out = method(*args, **kwargs)
+            self.events.append(Event(self.stage, kind, int(args[chunk_arg]), start, time.time()))
+            return out
+
+        return run
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list[Event]]:
+        self.events = events = []
+        originals = {name: getattr(schedules, name) for name in ("_batch_p2p", "_wait_batch_p2p")}
+
+        def timed(function: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*args: Any, **kwargs: Any) -> Any:
+                start = time.time()
+                out = function(*args, **kwargs)
+                events.append(Event(self.stage, "W", -1, start, time.time()))
+                return out
+
+            return run
+
+        for name, function in originals.items():
+            setattr(schedules, name, timed(function))
+        try:
+            yield events
+        finally:
+            for name, function in originals.items():
+                setattr(schedules, name, function)
+            self.events = None
+
+
+@dataclass(frozen=True)
+class StageSummary:
+    stage: int
+    compute_s: float
+    wait_s: float
+    span_s: float  # first forward start to last backward end
+
+
+def summarize(events: list[Event]) -> list[StageSummary]:
+    out = []
+    for stage in sorted({e.stage for e in events}):
+        mine = [e for e in events if e.stage == stage]
+        compute = [e for e in mine if e.kind in "FBL"]
+        if not compute:
+            continue
+        start, end = min(e.start for e in compute), max(e.end for e in compute)
+        waits = _covered([(e.start, e.end) for e in mine if e.kind == "W"], start, end)
+        out.append(StageSummary(stage, sum(e.seconds for e in compute), waits, end - start))
+    return out
+
+
+def _covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+    """Seconds of [start, end] inside the union of the intervals (nested timers count once)."""
+    total, reach = 0.0, start
+    for a, b in sorted(intervals):
+        a, b = max(a, reach), min(b, end)
+        if b > a:
+            total += b - a
+            reach = b
+    return total
+
+
+def chrome_trace(events: list[Event]) -> dict[str, Any]:
+    """Chrome/Perfetto trace: one row (tid) per stage, times in microseconds from the first event."""
+    if not events:
+        return {"traceEvents": []}
+    t0 = min(e.start for e in events)
+    names = {"F": "forward", "B": "backward", "L": "loss", "W": "wait"}
+    return {
+        "traceEvents": [
+            {
+                "name": "wait" if e.kind == "W" else f"{e.kind}{e.microbatch}",
+                "cat": names[e.kind],
+                "ph": "X",
+                "pid": 0,
+                "tid": e.stage,
+                "ts": (e.start - t0) * 1e6,
+                "dur": e.seconds * 1e6,
+                "args": {"stage": e.stage, "microbatch": e.microbatch},
+            }
+            for e in sorted(events, key=lambda e: (e.stage, e.start))
+        ],
+        "displayTimeUnit": "ms",
+    }
+
+
+def gantt_png(events: list[Event], path: Any, title: str = "") -> None:
+    """One row per stage; forward and backward coloured, micro-batch numbers on the bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    compute = [e for e in events if e.kind in "FBL"]
+    t0 = min(e.start for e in compute)
+    stages = sorted({e.stage for e in compute})
+    fig, ax = plt.subplots(figsize=(8, 0.7 * len(stages) + 1.2))
+    colors = {"F": "#4C72B0", "B": "#DD8452", "L": "#55A868"}
+    for e in compute:
+        ax.barh(e.stage, e.seconds * 1e3, left=(e.start - t0) * 1e3, color=colors[e.kind], edgecolor="white")
+        ax.text((e.start - t0 + e.seconds / 2) * 1e3, e.stage, str(e.microbatch), ha="center", va="center",
+                color="white", fontsize=7)  # fmt: skip
+    ax.set_yticks(stages, [f"stage {s}" for s in stages])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the step's first forward")
+    ax.set_title(f"{title} (blue: forward, green: loss, orange: backward; numbers: micro-batch)".strip(), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

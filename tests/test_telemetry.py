@@ -1,0 +1,58 @@
+"""PipelineMonitor reports what the schedule must have done (not how fast it was)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import ok, run_job
+
+M = 4
+
+
+def stage_events(trace: dict, stage: int) -> list[dict]:
+    return sorted((e for e in trace["traceEvents"] if e["tid"] == stage), key=lambda e: e["ts"])
+
+
+def expected_order(schedule: str, stage: int, stages: int, m: int) -> list[str]:
+    if schedule == "gpipe":
+        return [f"F{i}" for i in range(m)] + [f"B{i}" for i in range(m)]
+    warmup = min(m, stages - stage)  # 1F1B: warm-up forwards, then one backward one forward, then cool-down
+    order, f, b = [f"F{i}" for i in range(warmup)], warmup, 0
+    while b < m:
+        order.append(f"B{b}")
+        b += 1
+        if f < m:
+            order.append(f"F{f}")
+            f += 1
+    return order
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_timeline_follows_the_schedule(tmp_path, schedule):
+    job = ok(run_job(dict(strategy="pipeline", devices=2, schedule=schedule, m=M, batch=8, n_train=48,
+                          monitor_pipeline=True), tmp_path / "job"))  # fmt: skip
+    trace = json.loads((job.out / "pipeline_trace.json").read_text())
+    assert (job.out / "pipeline_schedule.png").stat().st_size > 5_000
+    for stage in range(2):
+        events = stage_events(trace, stage)
+        compute = [e for e in events if e["cat"] in ("forward", "backward", "loss")]
+        names = [e["name"] for e in compute if e["cat"] != "loss"]
+        assert sum(n.startswith("F") for n in names) == M and sum(n.startswith("B") for n in names) == M
+        assert names == expected_order(schedule, stage, 2, M)
+        assert sum(e["cat"] == "loss" for e in compute) == (M if stage == 1 else 0)  # the user's step, last stage
+        for a, b in zip(compute, compute[1:]):  # one stage computes one thing at a time
+            assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
+        span = compute[-1]["ts"] + compute[-1]["dur"] - compute[0]["ts"]
+        busy = sum(e["dur"] for e in compute)
+        start, end = compute[0]["ts"], compute[-1]["ts"] + compute[-1]["dur"]
+        waits = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] == "wait")
+        waited, reach = 0.0, start  # union of the (possibly nested) communication intervals
+        for a, b in waits:
+            a, b = max(a, reach), min(b, end)
+            if b > a:
+                waited, reach = waited + b - a, b
+        assert abs(busy + waited - span) <= 0.10 * span, (stage, busy, waited, span)
+    logged = [r for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
+    assert logged and all(0 <= r["pipeline/bubble"] < 1 and r["pipeline/samples_per_s"] > 0 for r in logged)
+    assert all(r["pipeline/stage1_compute_s"] > 0 for r in logged)
