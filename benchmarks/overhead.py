@@ -1,0 +1,65 @@
+"""Step time of ``Trainer(strategy=PipelineStrategy(...))`` against raw ``torch.distributed.pipelining``.
+
+    python benchmarks/overhead.py [--schedule 1f1b] [--m 8] [--rounds 3] [--steps 15]
+
+Same GPT (design card: 8 layers, d=256, vocab 1000, 64 tokens, batch 32), same schedule and
+micro-batches, 2 stages, one thread per rank, both launched with torchrun; runs alternate and
+each reports the median step time after warm-up. Writes benchmarks/results/overhead.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import machine, median_spread
+
+HERE = Path(__file__).parent
+WARMUP = 5
+
+
+def timed_run(script: str, schedule: str, m: int, steps: int) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+             str(HERE / script), schedule, str(m), str(steps), str(out)],
+            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        ends = json.loads(out.read_text())["ends"]
+    return [b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :])]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--m", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15)
+    args = parser.parse_args()
+    runs: dict[str, list[float]] = {"strategy": [], "raw": []}
+    for _ in range(args.rounds):  # alternate: the machine is noisy
+        for name, script in (("strategy", "run_strategy.py"), ("raw", "run_raw.py")):
+            runs[name].append(statistics.median(timed_run(script, args.schedule, args.m, args.steps)))
+    result = {
+        "benchmark": "overhead",
+        "machine": machine(),
+        "config": {"schedule": args.schedule, "n_microbatches": args.m, "stages": 2, "threads_per_rank": 1,
+                   "measured_steps_per_run": args.steps - WARMUP - 1, "rounds": args.rounds},
+        "step_s": {name: median_spread(values) for name, values in runs.items()},
+        "ratio": statistics.median(runs["strategy"]) / statistics.median(runs["raw"]),
+    }  # fmt: skip
+    path = HERE / "results" / "overhead.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
