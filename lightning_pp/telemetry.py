@@ -1,8 +1,9 @@
 """Timestamps of what a stage did during one step: compute (forward, backward per micro-batch) and waits.
 
-Compute is timed around the stage's ``forward_one_chunk``/``backward_one_chunk``; communication
-(waiting on peers, and posting sends and receives) around torch's ``_batch_p2p`` and
-``_wait_batch_p2p``, through which every schedule exchanges activations and gradients. Wall-clock times
+Compute is timed around the stage's ``forward_one_chunk``/``backward_one_chunk`` (and the loss);
+communication (preparing, posting and waiting for sends and receives) around the stage's
+``get_*_ops`` and torch's ``_batch_p2p``/``_sorted_batch_p2p``/``_wait_batch_p2p``, through which every schedule
+exchanges activations and gradients. Wall-clock times
 (``time.time``) so that events of different ranks on one machine share a time axis.
 """
 
@@ -40,6 +41,8 @@ class StepRecorder:
     def instrument(self, pipeline_stage: Any, schedule: Any) -> None:
         pipeline_stage.forward_one_chunk = self._timed("F", pipeline_stage.forward_one_chunk, 0)
         pipeline_stage.backward_one_chunk = self._timed("B", pipeline_stage.backward_one_chunk, 0)
+        for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
+            setattr(pipeline_stage, name, self._timed("W", getattr(pipeline_stage, name), 0))
         if pipeline_stage.is_last:  # the loss, i.e. the user's step, runs outside the stage's forward
             schedule._maybe_compute_loss = self._timed("L", schedule._maybe_compute_loss, 3)
 
@@ -49,7 +52,8 @@ class StepRecorder:
                 return method(*args, **kwargs)
             start = time.time()
             out = method(*args, **kwargs)
-            self.events.append(Event(self.stage, kind, int(args[chunk_arg]), start, time.time()))
+            chunk = int(args[chunk_arg]) if kind != "W" else -1
+            self.events.append(Event(self.stage, kind, chunk, start, time.time()))
             return out
 
         return run
@@ -57,7 +61,7 @@ class StepRecorder:
     @contextlib.contextmanager
     def recording(self) -> Iterator[list[Event]]:
         self.events = events = []
-        originals = {name: getattr(schedules, name) for name in ("_batch_p2p", "_wait_batch_p2p")}
+        originals = {name: getattr(schedules, name) for name in ("_batch_p2p", "_sorted_batch_p2p", "_wait_batch_p2p")}
 
         def timed(function: Callable[..., Any]) -> Callable[..., Any]:
             def run(*args: Any, **kwargs: Any) -> Any:

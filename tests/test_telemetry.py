@@ -30,7 +30,8 @@ def expected_order(schedule: str, stage: int, stages: int, m: int) -> list[str]:
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_timeline_follows_the_schedule(tmp_path, schedule):
-    job = ok(run_job(dict(strategy="pipeline", devices=2, schedule=schedule, m=M, batch=8, n_train=48,
+    # micro-batches large enough that compute, not the schedule's Python glue, fills the span
+    job = ok(run_job(dict(strategy="pipeline", devices=2, schedule=schedule, m=M, batch=128, n_train=768,
                           monitor_pipeline=True), tmp_path / "job"))  # fmt: skip
     trace = json.loads((job.out / "pipeline_trace.json").read_text())
     assert (job.out / "pipeline_schedule.png").stat().st_size > 5_000
@@ -53,6 +54,7 @@ def test_timeline_follows_the_schedule(tmp_path, schedule):
             if b > a:
                 waited, reach = waited + b - a, b
         assert abs(busy + waited - span) <= 0.10 * span, (stage, busy, waited, span)
+        print(f"{schedule} stage {stage}: unaccounted {1 - (busy + waited) / span:.1%} of the span")
     logged = [r for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
     assert logged and all(0 <= r["pipeline/bubble"] < 1 and r["pipeline/samples_per_s"] > 0 for r in logged)
     assert all(r["pipeline/stage1_compute_s"] > 0 for r in logged)
