@@ -20,6 +20,26 @@ def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
+def pipeline_trainer(schedule: str, m: int, steps: int, callback: Any) -> Any:
+    """The Trainer every strategy benchmark uses: torchrun's ranks, nothing but training and ``callback``."""
+    import lightning as L
+
+    from lightning_pp import PipelineStrategy
+
+    return L.Trainer(
+        accelerator="cpu",
+        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
+        strategy=PipelineStrategy(schedule=schedule, n_microbatches=m),
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        callbacks=[callback],
+    )
+
+
 def machine() -> dict[str, Any]:
     return {
         "python": platform.python_version(),

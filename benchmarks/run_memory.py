@@ -8,16 +8,14 @@ shape inference (an extra forward). Rank 0 writes every stage's peak to the JSON
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import lightning as L
 import torch
 import torch.distributed as dist
-from common import MODEL, batches
+from common import MODEL, batches, pipeline_trainer
 from torch.utils.data import DataLoader
 
-from lightning_pp import PipelineStrategy
 from lightning_pp.examples.gpt import GPT
 
 
@@ -74,18 +72,7 @@ if __name__ == "__main__":
     schedule, m, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     L.seed_everything(0, verbose=False)
     saved = SavedActivations()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
-        strategy=PipelineStrategy(schedule=schedule, n_microbatches=m),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[saved],
-    )
+    trainer = pipeline_trainer(schedule, m, steps, saved)
     trainer.fit(GPT(**MODEL), DataLoader(batches(steps), batch_size=None))
     peaks = [0] * trainer.world_size
     dist.all_gather_object(peaks, saved.peak)

@@ -6,15 +6,13 @@ Writes the wall times between consecutive training-batch ends on rank 0 to the J
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 
 import lightning as L
-from common import MODEL, batches
+from common import MODEL, batches, pipeline_trainer
 from torch.utils.data import DataLoader
 
-from lightning_pp import PipelineStrategy
 from lightning_pp.examples.gpt import GPT
 
 
@@ -32,18 +30,7 @@ if __name__ == "__main__":
     data = batches(steps)
     loader = DataLoader(data, batch_size=None)
     ends = BatchEnds()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
-        strategy=PipelineStrategy(schedule=schedule, n_microbatches=m),
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        callbacks=[ends],
-    )
+    trainer = pipeline_trainer(schedule, m, steps, ends)
     trainer.fit(GPT(**MODEL), loader)
     if trainer.global_rank == 0:
         with open(out, "w") as f:

@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_pp.microbatch import batch_size_of
+from lightning_pp.microbatch import batch_size_of, tokens_in
 from lightning_pp.strategy import PipelineStrategy
 from lightning_pp.telemetry import Event, chrome_trace, gantt_png, summarize
 
@@ -55,9 +54,9 @@ class PipelineMonitor(Callback):
         self.last_events = mine
         samples = batch_size_of(batch) * trainer.strategy.layout.dp
         values = {"pipeline/samples_per_s": samples / step_s}
-        first = torch.utils._pytree.tree_flatten(batch)[0][0]
-        if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-            values["pipeline/tokens_per_s"] = samples * first.shape[1] / step_s
+        tokens = tokens_in(batch)
+        if tokens is not None:
+            values["pipeline/tokens_per_s"] = tokens * trainer.strategy.layout.dp / step_s
         summaries = summarize(mine)
         values["pipeline/bubble"] = sum(s.wait_s for s in summaries) / len(summaries) / step_s
         for s in summaries:

@@ -26,6 +26,14 @@ def batch_size_of(batch: Any) -> int:
     )
 
 
+def tokens_in(batch: Any) -> int | None:
+    """Tokens in a batch whose first leaf is a (batch, sequence) tensor of token ids; else None."""
+    first = tree_flatten(batch)[0][0]
+    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
+        return first.numel()
+    return None
+
+
 def split_batch(batch: Any, n_microbatches: int) -> list[Any]:
     """Split every tensor leaf on dim 0; scalars and non-tensor leaves go to every micro-batch."""
     size = batch_size_of(batch)

@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import batch_size_of
+from lightning_pp.microbatch import batch_size_of, tokens_in
 from lightning_pp.schedule import normalize_schedule
 from lightning_pp.strategy import PipelineStrategy
 
@@ -46,7 +46,7 @@ class Throughput(Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, *_: Any):
         self.ends.append(time.perf_counter())
         self.samples.append(batch_size_of(batch))
-        self.tokens.append(_tokens(batch))
+        self.tokens.append(tokens_in(batch))
 
     def rates(self) -> tuple[float | None, float | None]:
         skip = min(self.warmup, len(self.ends) - 2)  # keep at least one interval
@@ -57,14 +57,6 @@ class Throughput(Callback):
         samples_per_s = sum(self.samples[skip + 1 :]) / span
         tokens_per_s = None if None in tokens else sum(tokens) / span  # type: ignore[arg-type]
         return samples_per_s, tokens_per_s
-
-
-def _tokens(batch: Any) -> int | None:
-    """Tokens in a batch whose first leaf is a (batch, sequence) tensor of token ids; else None."""
-    first = torch.utils._pytree.tree_flatten(batch)[0][0]
-    if isinstance(first, torch.Tensor) and first.dim() == 2 and not first.is_floating_point():
-        return first.numel()
-    return None
 
 
 def check_config(cfg: DictConfig) -> None:

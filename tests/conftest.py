@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,34 @@ def run_job(cfg: dict[str, Any], out: Path, timeout: float = 180, command: list[
     job = Job(proc, out, time.monotonic() - start)
     job.output = proc.stdout + proc.stderr
     return job
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_two_nodes(
+    nproc_per_node: int,
+    target: list[str],
+    per_node: Callable[[int], list[str]] = lambda node: [],
+    cwd: Path | None = None,
+    timeout: float = 300,
+) -> None:
+    """Two torchrun "nodes" on loopback, started together; both must succeed."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node),
+             "--nproc_per_node", str(nproc_per_node), "--master_addr", "127.0.0.1", "--master_port", str(port),
+             *target, *per_node(node)],
+            cwd=cwd, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]  # fmt: skip
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
 
 
 def ok(job: Job) -> Job:

@@ -13,15 +13,7 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-
-class Block(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(dim)
-        self.ff = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.ff(self.norm(h))
+from lightning_pp.examples.mlp import ResidualBlock
 
 
 class Net(nn.Module):
@@ -29,7 +21,7 @@ class Net(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1)
-        self.blocks = nn.ModuleDict({f"b{i}": Block(dim) for i in range(n_layers)})
+        self.blocks = nn.ModuleDict({f"b{i}": ResidualBlock(dim) for i in range(n_layers)})
         self.head = nn.Linear(dim, vocab)
 
 
@@ -164,7 +156,7 @@ class Core(nn.Module):
     def __init__(self, vocab: int = 32, dim: int = 32, n_layers: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleDict({str(i): Block(dim) for i in range(n_layers)})
+        self.layers = nn.ModuleDict({str(i): ResidualBlock(dim) for i in range(n_layers)})
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, tokens: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

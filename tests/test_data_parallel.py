@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import torch
-from conftest import HERE, child_env, ok, run_job
-from test_hydra_app import _free_port
+from conftest import HERE, ok, run_job, run_two_nodes
 
 from lightning_pp.mesh import Layout, make_layout
 
@@ -58,37 +55,9 @@ def test_two_replicas_of_two_stages_train_as_ddp(tmp_path):
 
 def test_two_replicas_across_two_loopback_nodes(tmp_path):
     one_node = ok(run_job({**COMMON, "strategy": "pipeline", "devices": 4, "pp": 2, "m": 2}, tmp_path / "one"))
-    port, out = _free_port(), tmp_path / "two"
-    cfg = json.dumps({**COMMON, "strategy": "pipeline", "devices": 2, "num_nodes": 2, "pp": 2, "m": 2,
-                      "out": str(out)})  # fmt: skip
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "2",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                str(HERE / "job.py"),
-                cfg,
-            ],
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    out = tmp_path / "two"
+    cfg = {**COMMON, "strategy": "pipeline", "devices": 2, "num_nodes": 2, "pp": 2, "m": 2, "out": str(out)}
+    run_two_nodes(2, [str(HERE / "job.py"), json.dumps(cfg)])
     got = sync_losses(json.loads((out / "rank0.json").read_text())["logged"], "train_loss")
     expected = sync_losses(one_node.rank(0)["logged"], "train_loss")
     assert len(got) == len(expected) and max(abs(a - b) for a, b in zip(got, expected)) <= TOL

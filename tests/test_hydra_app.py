@@ -6,13 +6,12 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import child_env, free_port, run_two_nodes
 from hydra import compose, initialize_config_module
 
 from lightning_pp.errors import PipelineConfigError
@@ -143,12 +142,6 @@ def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):
     assert (sweep / "summary.png").stat().st_size > 10_000
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def one_node_losses(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one_node")
@@ -158,41 +151,13 @@ def one_node_losses(tmp_path_factory):
 
 
 def test_two_loopback_nodes_match_one_node(tmp_path, one_node_losses):
-    run_dir, port = tmp_path / "run", _free_port()
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes",
-                "2",
-                "--node_rank",
-                str(node),
-                "--nproc_per_node",
-                "1",
-                "--master_addr",
-                "127.0.0.1",
-                "--master_port",
-                str(port),
-                "-m",
-                "lightning_pp.train",
-                *QUICK,
-                "trainer.num_nodes=2",
-                "trainer.devices=1",
-                f"hydra.run.dir={run_dir}",
-                f"hydra.output_subdir={'.hydra' if node == 0 else 'null'}",
-            ],
-            cwd=tmp_path,
-            env=child_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for node in (0, 1)
-    ]
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    run_dir = tmp_path / "run"
+    run_two_nodes(
+        1,
+        ["-m", "lightning_pp.train", *QUICK, "trainer.num_nodes=2", "trainer.devices=1", f"hydra.run.dir={run_dir}"],
+        per_node=lambda node: [f"hydra.output_subdir={'.hydra' if node == 0 else 'null'}"],
+        cwd=tmp_path,
+    )
     for rank in range(2):
         info = json.loads((run_dir / f"rank{rank}.json").read_text())
         assert info["world_size"] == 2 and info["cluster_environment"] == "TorchElasticEnvironment"
@@ -202,7 +167,7 @@ def test_two_loopback_nodes_match_one_node(tmp_path, one_node_losses):
 
 
 def test_slurm_style_launch_matches_one_node(tmp_path, one_node_losses):
-    run_dir, port = tmp_path / "run", _free_port()
+    run_dir, port = tmp_path / "run", free_port()
     procs = {}
     for rank in (1, 0):  # started out of launch order, as srun may
         env = {**child_env(), "SLURM_NTASKS": "2", "SLURM_NTASKS_PER_NODE": "2", "SLURM_PROCID": str(rank),
