@@ -6,14 +6,31 @@ Pure functions over layer counts and costs, so the split can be tested without p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Union
+from typing import NamedTuple, Union
 
 from lightning_pp.errors import PipelineConfigError
 
 Balance = Union[None, str, Sequence[int]]
 
-BALANCE_MODES = ("uniform", "parameters")
-PLANNED_BALANCE_MODES = {"profile": "issue 7 (profiled balance)"}
+BALANCE_MODES = ("uniform", "parameters", "profile")
+
+
+class Costs(NamedTuple):
+    """Cost of each layer and of the parts before (embedding) and after (norm, head, loss) the layers."""
+
+    layers: list[float]
+    first: float = 0.0
+    last: float = 0.0
+
+    def of_stages(self, counts: Sequence[int]) -> list[float]:
+        """What each stage of the split ``counts`` costs."""
+        loads, start = [], 0
+        for c in counts:
+            loads.append(sum(self.layers[start : start + c]))
+            start += c
+        loads[0] += self.first
+        loads[-1] += self.last
+        return loads
 
 
 def uniform_split(n_layers: int, n_stages: int) -> list[int]:
@@ -69,31 +86,19 @@ def min_max_split(
     return counts[::-1]
 
 
-def resolve_balance(
-    balance: Balance,
-    n_layers: int,
-    n_stages: int,
-    layer_params: Sequence[int] = (),
-    first_params: int = 0,
-    last_params: int = 0,
-) -> list[int]:
-    """Turn the user's ``balance`` into layer counts per stage, or say exactly what is wrong."""
+def resolve_balance(balance: Balance, n_layers: int, n_stages: int, costs: Costs | None = None) -> list[int]:
+    """Turn the user's ``balance`` into layer counts per stage, or say exactly what is wrong.
+
+    ``costs`` are what the cost-based modes ("parameters", "profile") balance; the caller measures them.
+    """
     _check_counts(n_layers, n_stages)
     if balance is None or (isinstance(balance, str) and balance.lower() == "uniform"):
         return uniform_split(n_layers, n_stages)
     if isinstance(balance, str):
-        mode = balance.lower()
-        if mode == "parameters":
-            return min_max_split(layer_params, n_stages, first_params, last_params)
-        if mode in PLANNED_BALANCE_MODES:
-            raise NotImplementedError(
-                f"balance={balance!r} is planned ({PLANNED_BALANCE_MODES[mode]}) and not available yet;"
-                f" use one of {list(BALANCE_MODES)} or a list of layer counts per stage."
-            )
-        raise PipelineConfigError(
-            f"Unknown balance={balance!r}. Use one of {list(BALANCE_MODES)} or a list of layer counts"
-            f" per stage such as {uniform_split(n_layers, n_stages)}."
-        )
+        check_balance_mode(balance)
+        if costs is None or len(costs.layers) != n_layers:
+            raise ValueError(f"balance={balance!r} needs the cost of each of the {n_layers} layers")
+        return min_max_split(costs.layers, n_stages, costs.first, costs.last)
     counts = [int(c) for c in balance]
     if len(counts) != n_stages:
         raise PipelineConfigError(
@@ -108,6 +113,15 @@ def resolve_balance(
             f" the counts must add up to {n_layers}, e.g. {uniform_split(n_layers, n_stages)}."
         )
     return counts
+
+
+def check_balance_mode(balance: str) -> None:
+    """Reject an unknown mode when the strategy is built, not at the first batch."""
+    if balance.lower() not in BALANCE_MODES:
+        raise PipelineConfigError(
+            f"Unknown balance={balance!r}. Use one of {list(BALANCE_MODES)} or a list of layer counts per stage"
+            " such as [3, 5]."
+        )
 
 
 def stage_of_each_layer(counts: Sequence[int]) -> list[int]:

@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.partition import Balance, resolve_balance, stage_of_each_layer
+from lightning_pp.partition import Balance, Costs, resolve_balance, stage_of_each_layer
 
 
 def find_layers(module: nn.Module, path: str) -> nn.ModuleDict:
@@ -175,8 +175,13 @@ def trace_forward(module: nn.Module, path: str, run_forward: Callable[[], Any]) 
     return trace
 
 
-def plan_placement(module: nn.Module, path: str, n_stages: int, balance: Balance, trace: _Trace) -> Placement:
-    """Decide every part's stage from the traced forward; reject what cannot be pipelined."""
+def plan_placement(
+    module: nn.Module, path: str, n_stages: int, balance: Balance, trace: _Trace, profiled: Costs | None = None
+) -> Placement:
+    """Decide every part's stage from the traced forward; reject what cannot be pipelined.
+
+    ``profiled`` are the measured costs ``balance="profile"`` splits by.
+    """
     layers = find_layers(module, path)
     keys = tuple(layers.keys())
     if not keys:
@@ -210,7 +215,9 @@ def plan_placement(module: nn.Module, path: str, n_stages: int, balance: Balance
             last += size
         else:
             layer_costs[pos - 1] += size
-    counts = resolve_balance(balance, n, n_stages, layer_costs, first, last)
+    by_params = Costs([float(c) for c in layer_costs], float(first), float(last))
+    is_profile = isinstance(balance, str) and balance.lower() == "profile"
+    counts = resolve_balance(balance, n, n_stages, profiled if is_profile else by_params)
     layer_stage = stage_of_each_layer(counts)
 
     def stages_at(positions: list[int]) -> tuple[int, ...]:

@@ -25,6 +25,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import failures_shared
 from lightning_pp.metrics import MetricTap
 from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
+from lightning_pp.profiling import sum_of_outputs
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import schedule_class
 from lightning_pp.stage import get_path, patched
@@ -234,7 +235,8 @@ class PipelineRunner:
     def _last_stage_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         assert self._current is not None
         if not self._current.initialized:
-            return _shape_inference_loss(output)
+            # torch's metadata pass over uninitialised data: the right graph, no side effects
+            return sum_of_outputs(output)
         index = int(target[0]) // self._wrapper.mb_size
         result = self._user_step(index, self._wrapper.outputs.pop(index))
         self.outputs[index] = result
@@ -275,11 +277,3 @@ def _loss_of(result: Any) -> torch.Tensor | None:
     if isinstance(result, dict) and isinstance(result.get("loss"), torch.Tensor):
         return result["loss"]
     return None
-
-
-def _shape_inference_loss(output: Any) -> torch.Tensor:
-    """A loss with the right graph but no side effects, for torch's metadata pass over uninitialised data."""
-    tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not tensors:
-        return torch.zeros(())
-    return sum(t.float().sum() for t in tensors)  # type: ignore[return-value]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from datetime import timedelta
@@ -54,7 +55,8 @@ from lightning_pp.launch import PipelineLauncher
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
 from lightning_pp.metrics import load_states, sync_metrics_over
 from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_microbatches, split_batch
-from lightning_pp.partition import Balance, resolve_balance
+from lightning_pp.partition import Balance, check_balance_mode, resolve_balance
+from lightning_pp.profiling import agree, describe_costs, profile_costs
 from lightning_pp.relay import broadcast_report, replay
 from lightning_pp.schedule import check_batch_size, check_microbatches, default_microbatches, normalize_schedule
 from lightning_pp.stage import (
@@ -113,7 +115,7 @@ class PipelineStrategy(ParallelStrategy):
                 " 'sharded' (a directory written by every rank with torch.distributed.checkpoint)."
             )
         if isinstance(balance, str):
-            resolve_balance(balance, 1, 1)  # reject unknown and planned modes now, not at the first batch
+            check_balance_mode(balance)
         self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.layers = layers
@@ -349,9 +351,16 @@ class PipelineStrategy(ParallelStrategy):
             entries = model_entries(module, self.layers)
             call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
             model = entries[call.entry]
-            trace = trace_forward(module, self.layers, lambda: type(model).forward(model, *call.args, **call.kwargs))
-            self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace)
+            forward = functools.partial(type(model).forward, model)
+            trace = trace_forward(module, self.layers, lambda: forward(*call.args, **call.kwargs))
+            costs = None
+            if isinstance(self.balance, str) and self.balance.lower() == "profile":
+                layers = find_layers(module, self.layers)
+                costs = agree(profile_costs(module, layers, forward, call.args, call.kwargs), self.root_device)
+            self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace, costs)
             rank_zero_info(self._placement.describe(module))
+            if costs is not None:
+                rank_zero_info(describe_costs(costs, list(self._placement.counts)))
         sync_metrics_over(module, self._groups.dp)
         stage = module
         if self._fitting and not self._pruned:

@@ -23,7 +23,6 @@ from lightning_pp.strategy import check_module, check_training_setup
         (dict(stages_per_rank=2), NotImplementedError, r"stages_per_rank=2 is planned \(issue 7"),
         (dict(activation_checkpointing=True), NotImplementedError, r"activation_checkpointing=True is planned"),
         (dict(state_dict_type="distributed"), PipelineConfigError, r"Unknown state_dict_type='distributed'"),
-        (dict(balance="profile"), NotImplementedError, r"balance='profile' is planned \(issue 7"),
         (dict(balance="speed"), ValueError, r"Unknown balance='speed'"),
         (dict(n_microbatches=0), PipelineConfigError, r"n_microbatches=0 must be a positive integer"),
     ],

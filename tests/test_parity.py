@@ -30,15 +30,23 @@ SCENARIOS = {
     "gpipe-4-sgd-clip": dict(
         schedule="gpipe", devices=4, m=4, batch=8, n_train=48, clip=0.05, optimizer="sgd", lr=0.5, params=True
     ),
-    "gpipe-3-wrapped-network": dict(
-        schedule="gpipe", devices=3, m=3, batch=6, n_train=36, n_val=30, model="wrapped", layers="model.layers"
+    "gpipe-3-wrapped-network-profiled": dict(
+        schedule="gpipe",
+        devices=3,
+        m=3,
+        batch=6,
+        n_train=36,
+        n_val=30,
+        model="wrapped",
+        layers="model.layers",
+        balance="profile",
     ),
     "1f1b-4-partial-syncdist": dict(schedule="1f1b", devices=4, m=4, batch=8, n_train=44, sync_dist=True),
 }
 
 
 def common(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("schedule", "devices", "m", "params", "layers")}
+    return {k: v for k, v in cfg.items() if k not in ("schedule", "devices", "m", "params", "layers", "balance")}
 
 
 def assert_same_logs(pipe: dict, ref: dict, tol: float) -> None:
@@ -60,6 +68,9 @@ def test_pipeline_matches_one_process(name, tmp_path, reference):
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
     ref = reference(**common(cfg))
     ranks = [job.rank(r) for r in range(cfg["devices"])]
+    if cfg.get("balance") == "profile":
+        # timed on the sanity check's first batch (an inference tensor), split by the agreed costs, logged once
+        assert job.output.count("Profiled forward+backward per micro-batch") == 1, job.output[-3000:]
 
     # what rank 0's logger received equals what plain Lightning logged, step by step
     assert_same_logs(ranks[0], ref, LOSS_TOL)

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from lightning_pp.partition import min_max_split, resolve_balance, stage_of_each_layer, uniform_split
+from lightning_pp.partition import Costs, min_max_split, resolve_balance, stage_of_each_layer, uniform_split
 
 
 def brute_force(costs, n_stages, first=0.0, last=0.0):
@@ -15,16 +15,6 @@ def brute_force(costs, n_stages, first=0.0, last=0.0):
         loads[-1] += last
         best = max(loads) if best is None else min(best, max(loads))
     return best
-
-
-def stage_loads(costs, counts, first=0.0, last=0.0):
-    loads, start = [], 0
-    for c in counts:
-        loads.append(sum(costs[start : start + c]))
-        start += c
-    loads[0] += first
-    loads[-1] += last
-    return loads
 
 
 def test_uniform_split_puts_the_remainder_first():
@@ -46,7 +36,7 @@ def test_uniform_split_puts_the_remainder_first():
 def test_min_max_split_is_optimal(costs, n_stages, first, last):
     counts = min_max_split(costs, n_stages, first, last)
     assert sum(counts) == len(costs) and len(counts) == n_stages and min(counts) >= 1
-    assert max(stage_loads(costs, counts, first, last)) == brute_force(costs, n_stages, first, last)
+    assert max(Costs(costs, first, last).of_stages(counts)) == brute_force(costs, n_stages, first, last)
 
 
 def test_heavy_head_moves_layers_to_earlier_stages():
@@ -56,7 +46,8 @@ def test_heavy_head_moves_layers_to_earlier_stages():
 def test_balance_list_and_modes():
     assert resolve_balance([3, 5], 8, 2) == [3, 5]
     assert resolve_balance("UNIFORM", 8, 2) == [4, 4]
-    assert resolve_balance("parameters", 4, 2, [1, 1, 1, 1], 0, 2) == [3, 1]
+    assert resolve_balance("parameters", 4, 2, Costs([1, 1, 1, 1], 0, 2)) == [3, 1]
+    assert resolve_balance("Profile", 4, 2, Costs([1, 1, 1, 1], 3, 0)) == [1, 3]
     assert stage_of_each_layer([2, 1]) == [0, 0, 1]
 
 
@@ -73,8 +64,3 @@ def test_balance_list_and_modes():
 def test_bad_balance_names_the_value_and_the_fix(balance, n_layers, n_stages, match):
     with pytest.raises(ValueError, match=match):
         resolve_balance(balance, n_layers, n_stages)
-
-
-def test_planned_balance_mode_says_which_issue():
-    with pytest.raises(NotImplementedError, match="issue 7"):
-        resolve_balance("profile", 8, 2)
