@@ -45,8 +45,7 @@ class PipelineMonitor(Callback):
         events: list[list[Event]] = [[] for _ in range(trainer.world_size)]
         dist.all_gather_object(events, trainer.strategy.last_step_events)
         # one pipeline replica is enough: the stages of replica 0
-        stages = trainer.strategy.n_stages
-        mine = [e for rank_events in events[:stages] for e in rank_events]
+        mine = [e for rank_events in events[: trainer.strategy.layout.pp] for e in rank_events]
         previous, self._last_end = self._last_end, now
         if not mine or previous is None:
             return

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.schedule import rank_of_stage, stages_of_rank
 
 
 @dataclass(frozen=True)
@@ -25,14 +26,26 @@ class Layout:
     world_size: int
     pp: int
     rank: int
+    schedule: str = "1f1b"
+    stages_per_rank: int = 1
 
     @property
     def dp(self) -> int:
         return self.world_size // self.pp
 
     @property
-    def stage(self) -> int:
+    def pp_rank(self) -> int:
+        """This rank's position in its pipeline replica."""
         return self.rank % self.pp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def stages(self) -> list[int]:
+        """The stages this rank holds, in stage order."""
+        return sorted(stages_of_rank(self.schedule, self.pp_rank, self.pp, self.stages_per_rank))
 
     @property
     def replica(self) -> int:
@@ -41,7 +54,7 @@ class Layout:
     @property
     def last_stage_rank(self) -> int:
         """Global rank of the last stage of this rank's replica (where its loss and logs are)."""
-        return self.replica * self.pp + self.pp - 1
+        return self.replica * self.pp + rank_of_stage(self.schedule, self.n_stages - 1, self.pp)
 
     @property
     def first_stage_rank(self) -> int:
@@ -61,7 +74,9 @@ class Layout:
         return "\n".join(lines)
 
 
-def make_layout(pipeline_parallel_size: int | None, world_size: int, rank: int) -> Layout:
+def make_layout(
+    pipeline_parallel_size: int | None, world_size: int, rank: int, schedule: str = "1f1b", stages_per_rank: int = 1
+) -> Layout:
     pp = pipeline_parallel_size or world_size
     if pp < 1 or world_size % pp:
         raise PipelineConfigError(
@@ -69,7 +84,7 @@ def make_layout(pipeline_parallel_size: int | None, world_size: int, rank: int) 
             f" (devices x nodes); choose a stage count that divides {world_size}, e.g."
             f" {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
         )
-    return Layout(world_size, pp, rank)
+    return Layout(world_size, pp, rank, schedule, stages_per_rank)
 
 
 @dataclass(frozen=True)

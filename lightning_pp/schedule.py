@@ -1,42 +1,107 @@
-"""Schedule names, micro-batch counts and the checks that must pass before any rank communicates."""
+"""Schedule names, stage placement, micro-batch counts and the checks that must pass before any rank communicates."""
 
 from __future__ import annotations
 
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from typing import Any
+
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.pipelining.schedules import (
+    _Action,
+    _add_send_recv,
+    _ComputationType,
+    _PipelineSchedule,
+    _PipelineScheduleRuntime,
+)
 
 from lightning_pp.errors import PipelineConfigError
 
-SCHEDULES: dict[str, type[PipelineScheduleSingle]] = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-# Schedules torch offers that need several stages per rank; they arrive with issue 7.
-PLANNED_SCHEDULES = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
-# Schedules whose first pipeline rank must run every micro-batch forward before the last one starts
-# its backward need at least as many micro-batches as stages.
-_NEEDS_M_GE_STAGES = {"1f1b"}
+SCHEDULES: dict[str, type[_PipelineSchedule]] = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "looped_bfs": ScheduleLoopedBFS,
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+# one stage per rank; the others take a list of stages
+SINGLE_STAGE = ("gpipe", "1f1b")
+# two stages per rank placed as a V, (r, 2p-1-r): the last stage, and so the loss, sits on pipeline rank 0
+V_SHAPED = ("zbv", "dualpipev")
+_ALIASES = {
+    **{cls.__name__.lower(): name for name, cls in SCHEDULES.items()},
+    # torch.distributed.pipelining.get_schedule_class's names
+    "interleaved1f1b": "interleaved_1f1b",
+    "loopedbfs": "looped_bfs",
+    "interleavedzerobubble": "interleaved_zb",
+    "zbvzerobubble": "zbv",
+}
 
 
 def normalize_schedule(name: str) -> str:
-    """The canonical schedule name; unknown names list the valid ones."""
+    """The canonical schedule name (torch's class and registry names work too); unknown names list the valid ones."""
     key = str(name).lower().replace("-", "_")
-    key = {"schedule1f1b": "1f1b", "schedulegpipe": "gpipe"}.get(key, key)
+    key = _ALIASES.get(key, _ALIASES.get(key.replace("_", ""), key))
     if key in SCHEDULES:
         return key
-    if key in PLANNED_SCHEDULES:
-        raise NotImplementedError(
-            f"schedule={name!r} is planned (issue 7: multi-stage schedules) and not available yet;"
-            f" use one of {sorted(SCHEDULES)}."
-        )
-    raise PipelineConfigError(f"Unknown schedule={name!r}; valid schedules are {sorted(SCHEDULES)} (case-insensitive).")
+    raise PipelineConfigError(f"Unknown schedule={name!r}; valid schedules are {list(SCHEDULES)} (case-insensitive).")
 
 
-def schedule_class(name: str) -> type[PipelineScheduleSingle]:
+def schedule_class(name: str) -> type[_PipelineSchedule]:
     return SCHEDULES[normalize_schedule(name)]
 
 
-def default_microbatches(batch_size: int, n_stages: int) -> int:
-    """The largest divisor of the batch size in [stages, 4 x stages]: fills the pipeline, keeps micro-batches big."""
+def resolve_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
+    """Stages each rank holds: 1 for GPipe and 1F1B, 2 for the V schedules, by default 2 for the looped ones."""
+    name = normalize_schedule(schedule)
+    default = 1 if name in SINGLE_STAGE else 2
+    count = default if stages_per_rank is None else int(stages_per_rank)
+    if name in SINGLE_STAGE and count != 1:
+        raise PipelineConfigError(
+            f"schedule={schedule!r} runs one stage per rank, but stages_per_rank={stages_per_rank}; use"
+            f" schedule='interleaved_1f1b' (or 'looped_bfs', 'interleaved_zb') for several stages per rank."
+        )
+    if name in V_SHAPED and count != 2:
+        raise PipelineConfigError(
+            f"schedule={schedule!r} places exactly two stages per rank (a V), but stages_per_rank={stages_per_rank};"
+            " use stages_per_rank=2 or leave it unset."
+        )
+    if count < 1:
+        raise PipelineConfigError(f"stages_per_rank={stages_per_rank} must be a positive integer.")
+    return count
+
+
+def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` holds: loop placement (stage s on rank s % pp) or a V."""
+    if normalize_schedule(schedule) in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def rank_of_stage(schedule: str, stage: int, pp: int) -> int:
+    """The pipeline rank that holds ``stage`` (the inverse of ``stages_of_rank``)."""
+    if normalize_schedule(schedule) in V_SHAPED:
+        return stage if stage < pp else 2 * pp - 1 - stage
+    return stage % pp
+
+
+def default_microbatches(batch_size: int, schedule: str, pp: int, n_stages: int) -> int:
+    """The largest divisor of the batch size in [stages, 4 x stages] that the schedule accepts: fills the
+    pipeline, keeps micro-batches big."""
     for m in range(min(batch_size, 4 * n_stages), n_stages - 1, -1):
         if batch_size % m == 0:
+            try:
+                check_microbatches(schedule, m, pp, n_stages)
+            except PipelineConfigError:
+                continue
             return m
     raise PipelineConfigError(
         f"Cannot choose n_microbatches for a batch of {batch_size} samples on {n_stages} stages: no divisor of"
@@ -45,14 +110,34 @@ def default_microbatches(batch_size: int, n_stages: int) -> int:
     )
 
 
-def check_microbatches(schedule: str, n_microbatches: int, n_stages: int) -> None:
-    if n_microbatches < 1:
-        raise PipelineConfigError(f"n_microbatches={n_microbatches} must be a positive integer.")
-    if normalize_schedule(schedule) in _NEEDS_M_GE_STAGES and n_microbatches < n_stages:
+def check_microbatches(schedule: str, n_microbatches: int, pp: int, n_stages: int) -> None:
+    """torch's own constraints on the micro-batch count, raised on every rank before the first step.
+
+    ``pp`` is the number of pipeline ranks, ``n_stages`` the number of stages (pp x stages per rank).
+    """
+    name = normalize_schedule(schedule)
+    m = n_microbatches
+    if m < 1:
+        raise PipelineConfigError(f"n_microbatches={m} must be a positive integer.")
+    if name == "1f1b" and m < n_stages:
         raise PipelineConfigError(
-            f"schedule={schedule!r} needs n_microbatches >= stages, but n_microbatches={n_microbatches} and there"
+            f"schedule={schedule!r} needs n_microbatches >= stages, but n_microbatches={m} and there"
             f" are {n_stages} stages; use n_microbatches={n_stages} or more, or schedule='gpipe'."
         )
+    if name == "dualpipev" and m < n_stages:
+        raise PipelineConfigError(
+            f"schedule={schedule!r} needs n_microbatches >= stages (2 per rank), but n_microbatches={m} and"
+            f" there are {n_stages} stages; use n_microbatches={n_stages} or more."
+        )
+    if name in ("interleaved_1f1b", "interleaved_zb"):
+        rounds = max(1, m // pp)
+        if m % rounds:
+            fits = [k for k in range(pp, 4 * pp + 1) if k % max(1, k // pp) == 0]
+            raise PipelineConfigError(
+                f"schedule={schedule!r} runs micro-batches in rounds of {pp} (the pipeline ranks), so"
+                f" n_microbatches={m} must be a multiple of its {rounds} rounds; use one of {fits} or a multiple"
+                f" of {pp}."
+            )
 
 
 def check_batch_size(batch_size: int, n_microbatches: int, where: str = "A batch") -> None:
@@ -62,4 +147,44 @@ def check_batch_size(batch_size: int, n_microbatches: int, where: str = "A batch
             f"{where} has {batch_size} samples, which does not split into n_microbatches={n_microbatches} equal"
             f" parts. Use a batch size that is a multiple of {n_microbatches}, pass drop_last=True to the"
             f" DataLoader, or choose an n_microbatches that divides {batch_size}."
+        )
+
+
+def build_schedule(name: str, stages: list[Any], n_microbatches: int, loss_fn: Any, train: bool) -> _PipelineSchedule:
+    """torch's schedule over this rank's stages; the loss scale is ours, so torch does not scale gradients.
+
+    torch 2.13's V schedules cannot run forward-only (their forward steals backward inputs, "can't
+    steal_bwd_input"), so evaluation under them runs the same stages with torch's runtime in plain
+    forward order instead.
+    """
+    name = normalize_schedule(name)
+    if name in V_SHAPED and not train:
+        return _ForwardOnlyV(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if name in SINGLE_STAGE:
+        (stage,) = stages
+        return SCHEDULES[name](stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    return SCHEDULES[name](stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+
+
+class _ForwardOnlyV(_PipelineScheduleRuntime):
+    """Every rank runs its first stage's micro-batches, then its second's: no rank waits on a later one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        pp, n = self.pp_group_size, self._num_stages
+        mapping = {s: rank_of_stage("zbv", s, pp) for s in range(n)}
+        self.stage_index_to_group_rank = mapping
+        for stage in self._stages:
+            stage.stage_index_to_group_rank = mapping
+        forward = _ComputationType.FORWARD
+        self.pipeline_order = {
+            r: [
+                _Action(s, forward, mb)
+                for s in sorted(stages_of_rank("zbv", r, pp, 2))
+                for mb in range(self._n_microbatches)
+            ]
+            for r in range(pp)
+        }
+        self.pipeline_order_with_comms = _add_send_recv(
+            self.pipeline_order, stage_to_rank=lambda s: mapping[s], num_stages=n
         )

@@ -8,7 +8,7 @@ layers is learned by watching one real forward, not guessed from attribute order
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +66,9 @@ class Placement:
         stages = stage_of_each_layer(self.counts)
         return [k for k, s in zip(self.layer_keys, stages) if s == stage]
 
-    def absent_on(self, stage: int) -> list[str]:
-        """Parts and loose parameters that are None on ``stage``."""
-        return [n for n, st in {**self.parts, **self.params}.items() if stage not in st]
+    def absent_on(self, *stages: int) -> list[str]:
+        """Parts and loose parameters that are None on a rank holding ``stages``."""
+        return [n for n, st in {**self.parts, **self.params}.items() if not set(stages) & set(st)]
 
     def describe(self, module: nn.Module) -> str:
         """A table of what each stage holds, for the placement log."""
@@ -278,23 +278,24 @@ def _reject_tied_parameters(module: nn.Module, placement: Placement) -> None:
             )
 
 
-def prune_to_stage(module: nn.Module, placement: Placement, stage: int) -> None:
-    """Drop every layer, part and loose parameter the stage does not own; names stay unchanged."""
+def prune_to_stages(module: nn.Module, placement: Placement, stages: Sequence[int]) -> None:
+    """Drop every layer, part and loose parameter none of ``stages`` owns; names stay unchanged."""
     layers = find_layers(module, placement.layers_path)
-    keep = set(placement.layers_of(stage))
+    keep = {key for stage in stages for key in placement.layers_of(stage)}
     for key in list(layers.keys()):
         if key not in keep:
             del layers[key]
-    for name in placement.absent_on(stage):
+    for name in placement.absent_on(*stages):
         parent, _, attr = name.rpartition(".")
         setattr(get_path(module, parent) if parent else module, attr, None)
 
 
-def stage_view(module: nn.Module, placement: Placement, stage: int) -> nn.Module:
-    """The stage as a pruned view that shares parameters with ``module`` and leaves it whole.
+def stage_view(module: nn.Module, placement: Placement, stages: Sequence[int]) -> nn.Module:
+    """``stages`` as a pruned view that shares parameters with ``module`` and leaves it whole.
 
-    Validation or testing before any fit uses a view, so that a later ``fit`` still hands
-    ``configure_optimizers`` the whole module.
+    A rank holding several stages runs each through its own view of its one module; validation or
+    testing before any fit uses a view, so that a later ``fit`` still hands ``configure_optimizers``
+    the whole module.
     """
     # parts and loose parameters sit on the containers along the layers' path: copy exactly those
     view = _shallow(module)
@@ -303,7 +304,7 @@ def stage_view(module: nn.Module, placement: Placement, stage: int) -> nn.Module
         child = _shallow(parent._modules[name])
         parent._modules[name] = child
         parent = child
-    prune_to_stage(view, placement, stage)
+    prune_to_stages(view, placement, stages)
     return view
 
 

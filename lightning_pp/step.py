@@ -11,13 +11,14 @@ import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
@@ -27,7 +28,7 @@ from lightning_pp.metrics import MetricTap
 from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
 from lightning_pp.profiling import sum_of_outputs
 from lightning_pp.relay import LogRecorder, StepReport, combine
-from lightning_pp.schedule import schedule_class
+from lightning_pp.schedule import build_schedule
 from lightning_pp.stage import get_path, patched
 from lightning_pp.telemetry import Event, StepRecorder
 
@@ -103,52 +104,67 @@ def replace_leading_inputs(
 
 
 class _Pipe:
-    def __init__(self, stage: PipelineStage, schedule: PipelineScheduleSingle) -> None:
-        self.stage = stage
+    def __init__(self, stages: list[PipelineStage], schedule: _PipelineSchedule) -> None:
+        self.stages = stages
         self.schedule = schedule
 
     @property
     def initialized(self) -> bool:
         """False while torch runs shape inference (whose loss call must have no side effects)."""
-        return bool(self.schedule._stage_forward_initialized) and (
-            not self.schedule._has_backward or bool(self.schedule._stage_backward_initialized)
-        )
+        schedule: Any = self.schedule
+        if isinstance(schedule, PipelineScheduleSingle):
+            forward, backward = schedule._stage_forward_initialized, schedule._stage_backward_initialized
+        else:
+            forward, backward = schedule._stages_forward_initialized, schedule._stages_backward_initialized
+        return bool(forward) and (not schedule._has_backward or bool(backward))
+
+
+@dataclass(frozen=True)
+class LocalStage:
+    """One stage this rank runs: its index and a view of the rank's module holding only that stage."""
+
+    index: int
+    module: nn.Module
+    absent: list[str]
 
 
 class PipelineRunner:
-    """Runs the user's steps through torch's schedule on this rank's stage."""
+    """Runs the user's steps through torch's schedule on this rank's stages."""
 
     def __init__(
         self,
         module: nn.Module,
-        stage_index: int,
+        stages: list[LocalStage],
         n_stages: int,
         device: torch.device,
         group: dist.ProcessGroup | None,
         schedule: str,
         entries: dict[str, nn.Module],
-        absent: list[str],
         replicas: dist.ProcessGroup | None = None,
+        label: int = 0,
     ) -> None:
-        self.module = module
-        self.stage_index = stage_index
+        self.module = module  # the rank's module (all its stages): the user's step runs on it
+        self.stage_indices = [s.index for s in stages]
         self.n_stages = n_stages
         self.device = device
         self.group = group
         self.schedule_name = schedule
-        self.is_last = stage_index == n_stages - 1
-        self._wrapper = _StageModule(module, self.is_last, absent)
-        self._submodule: nn.Module = self._wrapper
+        self.is_last = n_stages - 1 in self.stage_indices
+        self._wrappers = [_StageModule(s.module, s.index == n_stages - 1, s.absent) for s in stages]
+        self._submodules: list[nn.Module] = list(self._wrappers)
         if replicas is not None:
             # torch's stages drive DDP themselves: no sync while micro-batches accumulate, then the
             # gradients are averaged over the replicas during the last micro-batch's backward
-            self._submodule = DistributedDataParallel(
-                self._wrapper,
-                process_group=replicas,
-                device_ids=[device.index] if device.type == "cuda" else None,
-                broadcast_buffers=False,
-                find_unused_parameters=True,
-            )
+            self._submodules = [
+                DistributedDataParallel(
+                    wrapper,
+                    process_group=replicas,
+                    device_ids=[device.index] if device.type == "cuda" else None,
+                    broadcast_buffers=False,
+                    find_unused_parameters=True,
+                )
+                for wrapper in self._wrappers
+            ]
         self._entries = entries
         self._pipes: OrderedDict[tuple, _Pipe] = OrderedDict()
         self._current: _Pipe | None = None
@@ -160,7 +176,7 @@ class PipelineRunner:
         self._losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}  # what the user's step returned, per micro-batch (last stage)
         self._tap = MetricTap(module)
-        self.recorder = StepRecorder(stage_index)
+        self.recorder = StepRecorder(label)
         self.last_events: list[Event] = []
         self._recorder = LogRecorder()
         self._loss_scale = 1.0
@@ -183,16 +199,17 @@ class PipelineRunner:
         step = getattr(self.module, hook)
         batch, rest = args[0], tuple(args[1:])
         microbatches = split_batch(batch, n_microbatches)
-        self._wrapper.inputs = [
+        inputs = [
             capture_model_call(self.module, self._entries, step, (mb, *rest), kwargs, hook) for mb in microbatches
         ]
         rows = batch_size_of(batch)
-        self._wrapper.mb_size = rows // n_microbatches
+        for wrapper in self._wrappers:
+            wrapper.inputs, wrapper.mb_size = inputs, rows // n_microbatches
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
         self._microbatches, self._losses, self._loss_scale = microbatches, {}, loss_scale
         self.outputs = {}
         self._recorder = LogRecorder(self._tap.paths)
-        self._recorder.weight = float(self._wrapper.mb_size)
+        self._recorder.weight = float(rows // n_microbatches)
 
         pipe = self._pipe(train, n_microbatches, signature(batch))
         self._current = pipe
@@ -207,7 +224,8 @@ class PipelineRunner:
                     pipe.schedule.eval(mb=sample_index, target=target)
             self.last_events = list(events)
         finally:
-            self._wrapper.outputs.clear()
+            for wrapper in self._wrappers:
+                wrapper.outputs.clear()
             self._microbatches = []
             self._step = None
         if not self.is_last:
@@ -221,12 +239,14 @@ class PipelineRunner:
         key = (train, n_microbatches, shape_key)
         pipe = self._pipes.get(key)
         if pipe is None:
-            stage = PipelineStage(self._submodule, self.stage_index, self.n_stages, self.device, group=self.group)
-            schedule = schedule_class(self.schedule_name)(
-                stage, n_microbatches, loss_fn=self._last_stage_loss, scale_grads=False
-            )
-            self.recorder.instrument(stage, schedule)
-            pipe = self._pipes[key] = _Pipe(stage, schedule)
+            stages = [
+                PipelineStage(sub, index, self.n_stages, self.device, group=self.group)
+                for sub, index in zip(self._submodules, self.stage_indices)
+            ]
+            schedule = build_schedule(self.schedule_name, stages, n_microbatches, self._last_stage_loss, train)
+            for stage in stages:
+                self.recorder.instrument(stage, schedule)
+            pipe = self._pipes[key] = _Pipe(stages, schedule)
             while len(self._pipes) > _MAX_CACHED_SHAPES:
                 self._pipes.popitem(last=False)
         self._pipes.move_to_end(key)
@@ -237,8 +257,9 @@ class PipelineRunner:
         if not self._current.initialized:
             # torch's metadata pass over uninitialised data: the right graph, no side effects
             return sum_of_outputs(output)
-        index = int(target[0]) // self._wrapper.mb_size
-        result = self._user_step(index, self._wrapper.outputs.pop(index))
+        last = self._wrappers[-1]
+        index = int(target[0]) // last.mb_size
+        result = self._user_step(index, last.outputs.pop(index))
         self.outputs[index] = result
         loss = _loss_of(result)
         if loss is None:

@@ -58,17 +58,23 @@ from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_mic
 from lightning_pp.partition import Balance, check_balance_mode, resolve_balance
 from lightning_pp.profiling import agree, describe_costs, profile_costs
 from lightning_pp.relay import broadcast_report, replay
-from lightning_pp.schedule import check_batch_size, check_microbatches, default_microbatches, normalize_schedule
+from lightning_pp.schedule import (
+    check_batch_size,
+    check_microbatches,
+    default_microbatches,
+    normalize_schedule,
+    resolve_stages_per_rank,
+)
 from lightning_pp.stage import (
     Placement,
     find_layers,
     model_entries,
     plan_placement,
-    prune_to_stage,
+    prune_to_stages,
     stage_view,
     trace_forward,
 )
-from lightning_pp.step import PipelineRunner
+from lightning_pp.step import LocalStage, PipelineRunner
 from lightning_pp.telemetry import Event
 
 
@@ -90,7 +96,7 @@ class PipelineStrategy(ParallelStrategy):
         pipeline_parallel_size: Optional[int] = None,
         layers: str = "layers",
         balance: Balance = None,
-        stages_per_rank: int = 1,
+        stages_per_rank: Optional[int] = None,
         activation_checkpointing: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         timeout: Optional[Union[timedelta, float]] = None,
@@ -100,11 +106,7 @@ class PipelineStrategy(ParallelStrategy):
         super().__init__(**kwargs)
         self.schedule = normalize_schedule(schedule)
         if n_microbatches is not None:
-            check_microbatches(self.schedule, int(n_microbatches), 1)
-        if stages_per_rank != 1:
-            raise NotImplementedError(
-                f"stages_per_rank={stages_per_rank} is planned (issue 7: interleaved and V schedules); use 1 for now."
-            )
+            check_microbatches(self.schedule, int(n_microbatches), 1, 1)
         if activation_checkpointing:
             raise NotImplementedError(
                 "activation_checkpointing=True is planned (issue 7); use activation_checkpointing=False for now."
@@ -120,7 +122,7 @@ class PipelineStrategy(ParallelStrategy):
         self.pipeline_parallel_size = pipeline_parallel_size
         self.layers = layers
         self.balance = balance
-        self.stages_per_rank = stages_per_rank
+        self.stages_per_rank = resolve_stages_per_rank(self.schedule, stages_per_rank)
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
         if isinstance(timeout, (int, float)):
@@ -166,15 +168,13 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def layout(self) -> Layout:
         """This rank's place in the (replica, stage) grid."""
-        return make_layout(self.pipeline_parallel_size, self.world_size, self.global_rank)
+        return make_layout(
+            self.pipeline_parallel_size, self.world_size, self.global_rank, self.schedule, self.stages_per_rank
+        )
 
     @property
     def n_stages(self) -> int:
-        return self.layout.pp
-
-    @property
-    def stage_index(self) -> int:
-        return self.layout.stage
+        return self.layout.n_stages
 
     @property
     @override
@@ -218,7 +218,7 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None and self.accelerator is not None
         if self._placement is None:
             check_module(module, self.layers, self.balance, self.n_stages)
-        check_training_setup(module, self.precision_plugin, self.schedule, self.n_microbatches, self.n_stages)
+        check_training_setup(module, self.precision_plugin, self.schedule, self.n_microbatches, self.layout)
         if self.layout.dp == 1:
             # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
             # pipeline replica keeps the user's order instead, see process_dataloader
@@ -339,7 +339,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def microbatches_for(self, batch_size: int) -> int:
         """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages]."""
-        return self.n_microbatches or default_microbatches(batch_size, self.n_stages)
+        return self.n_microbatches or default_microbatches(batch_size, self.schedule, self.layout.pp, self.n_stages)
 
     def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
         """At the first batch: learn the module's structure from one forward, then prune to this stage."""
@@ -362,29 +362,30 @@ class PipelineStrategy(ParallelStrategy):
             if costs is not None:
                 rank_zero_info(describe_costs(costs, list(self._placement.counts)))
         sync_metrics_over(module, self._groups.dp)
-        stage = module
+        placement, stages = self._placement, self.layout.stages
+        local = module
         if self._fitting and not self._pruned:
             # training frees what other stages own: their parameters, gradients and optimizer state
             self._state_keys = list(module.state_dict().keys())
             names = {id(p): n for n, p in module.named_parameters()}
-            prune_to_stage(module, self._placement, self.stage_index)
+            prune_to_stages(module, placement, stages)
             for entry in model_entries(module, self.layers).values():
-                _guard_forward(entry, self._placement, self.stage_index, type(module).__name__)
+                _guard_forward(entry, placement, stages, type(module).__name__)
             self._keep_local_parameters(names)
             self._pruned = True
         elif not self._pruned:
-            stage = stage_view(module, self._placement, self.stage_index)
-        absent = self._placement.absent_on(self.stage_index)
+            local = stage_view(module, placement, stages)
+        views = [LocalStage(s, stage_view(local, placement, [s]), placement.absent_on(s)) for s in stages]
         self._runner = PipelineRunner(
-            stage,
-            self.stage_index,
+            local,
+            views,
             self.n_stages,
             self.root_device,
             self._groups.pp,
             self.schedule,
-            model_entries(stage, self.layers),
-            absent,
+            model_entries(local, self.layers),
             self._groups.dp,
+            label=self.layout.pp_rank,
         )
         return self._runner
 
@@ -444,7 +445,7 @@ class PipelineStrategy(ParallelStrategy):
             check_batch_size(size, self.n_microbatches, where)
             return
         try:
-            default_microbatches(size, self.n_stages)
+            default_microbatches(size, self.schedule, self.layout.pp, self.n_stages)
         except PipelineConfigError as error:
             raise PipelineConfigError(f"{where}: {error}") from None
 
@@ -572,7 +573,7 @@ def check_module(module: LightningModule, layers: str, balance: Balance, n_stage
 
 
 def check_training_setup(
-    module: LightningModule, precision: Any, schedule: str, n_microbatches: Optional[int], n_stages: int
+    module: LightningModule, precision: Any, schedule: str, n_microbatches: Optional[int], layout: Layout
 ) -> None:
     if not module.automatic_optimization:
         raise PipelineConfigError(
@@ -585,21 +586,21 @@ def check_training_setup(
             " use precision='bf16-mixed' or '32-true'."
         )
     if n_microbatches is not None:
-        check_microbatches(schedule, n_microbatches, n_stages)
+        check_microbatches(schedule, n_microbatches, layout.pp, layout.n_stages)
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
-def _guard_forward(module: torch.nn.Module, placement: Placement, stage: int, owner: str) -> None:
+def _guard_forward(module: torch.nn.Module, placement: Placement, stages: list[int], owner: str) -> None:
     """After pruning, calling the module outside the pipeline must fail loudly, not compute garbage."""
-    layers = placement.layers_of(stage)
+    layers = [key for stage in stages for key in placement.layers_of(stage)]
 
     def pruned_forward(*_: Any, **__: Any) -> Any:
         raise RuntimeError(
-            f"This {type(module).__name__} holds only pipeline stage {stage} of {placement.n_stages} (layers"
-            f" {layers[0]}..{layers[-1]} of '{placement.layers_path}'); the other parts are None on this rank."
+            f"This {type(module).__name__} holds only pipeline stage(s) {stages} of {placement.n_stages} (layers"
+            f" {layers} of '{placement.layers_path}'); the other parts are None on this rank."
             f" Load a checkpoint into a fresh module on one process instead, e.g."
             f" {owner}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."
         )

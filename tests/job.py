@@ -98,6 +98,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     batch = cfg.get("batch", 8)
     train = loader(cfg.get("n_train", 64), batch, seed=0)
     val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1)
+    if cfg.get("reverse_within"):
+        # micro-batches of each pipelined batch in reverse, as a schedule that runs backward last-first sums them
+        n, full = cfg.get("n_train", 64), cfg["reverse_within"]
+        order = [i for start in range(0, n, full) for k in reversed(range(start, min(start + full, n), batch))
+                 for i in range(k, min(k + batch, n))]  # fmt: skip
+        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=order)
     if cfg.get("bad_sampler"):
         # shards by global rank: the stages of one pipeline replica would load different batches
         rank, world = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))), cfg["devices"]
@@ -114,6 +120,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             n_microbatches=cfg.get("m"),
             layers=cfg.get("layers", "net.blocks"),
             balance=cfg.get("balance"),
+            stages_per_rank=cfg.get("stages_per_rank"),
+            activation_checkpointing=cfg.get("activation_checkpointing", False),
             state_dict_type=cfg.get("state_dict_type", "full"),
             pipeline_parallel_size=cfg.get("pp"),
             timeout=cfg.get("timeout", 60),
@@ -160,6 +168,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "train": seen.train,
         "val": seen.val,
         "threads": torch.get_num_threads(),
+        "loss_steps": getattr(model, "loss_steps", 0),
         "world": trainer.world_size,
         "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
     }

@@ -65,6 +65,7 @@ class TinyGPT(L.LightningModule):
     def training_step(self, batch, batch_idx):
         logits = self(batch["tokens"])
         loss = self.criterion(logits.flatten(0, 1), batch["targets"].flatten())
+        self.loss_steps = getattr(self, "loss_steps", 0) + 1  # only where the model call returned: the last stage
         self.log("train_loss", loss, prog_bar=True, sync_dist=self.hparams.sync_dist)
         self.log("train_max", loss, reduce_fx="max", on_step=True, on_epoch=False)
         if self.hparams.metrics:

@@ -19,7 +19,7 @@ def sync_losses(rows: list[dict], key: str) -> list[float]:
 
 def test_layout_keeps_each_pipeline_on_consecutive_ranks():
     layout = make_layout(2, 8, 5)
-    assert (layout.dp, layout.stage, layout.replica, layout.last_stage_rank) == (4, 1, 2, 5)
+    assert (layout.dp, layout.pp_rank, layout.replica, layout.last_stage_rank) == (4, 1, 2, 5)
     assert layout.pipeline_ranks(2) == [4, 5] and layout.replica_ranks(1) == [1, 3, 5, 7]
     assert "replica 1: rank 2 (node 0) -> rank 3 (node 0)" in Layout(8, 2, 0).describe(devices_per_node=4)
 

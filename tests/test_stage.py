@@ -11,7 +11,7 @@ from models import TinyGPT  # noqa: E402
 
 from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
-from lightning_pp.stage import find_layers, plan_placement, prune_to_stage, trace_forward  # noqa: E402
+from lightning_pp.stage import find_layers, plan_placement, prune_to_stages, trace_forward  # noqa: E402
 
 
 def place(module, path, n_stages, inputs, balance=None):
@@ -70,7 +70,7 @@ def test_prune_keeps_names_and_splits_every_parameter_once():
     for s in range(2):
         module = GPT(n_layers=4)
         module.load_state_dict(full.state_dict())
-        prune_to_stage(module, p, s)
+        prune_to_stages(module, p, [s])
         stages.append(module.state_dict())
     assert set(stages[0]).isdisjoint(stages[1])
     assert set(stages[0]) | set(stages[1]) == keys

@@ -12,7 +12,10 @@ from lightning_pp.schedule import (
     check_microbatches,
     default_microbatches,
     normalize_schedule,
+    rank_of_stage,
+    resolve_stages_per_rank,
     schedule_class,
+    stages_of_rank,
 )
 
 
@@ -37,30 +40,54 @@ def test_batches_that_do_not_split_name_the_fix(size, m):
 
 
 def test_default_microbatches_is_the_largest_divisor_within_bounds():
-    assert default_microbatches(32, 2) == 8
-    assert default_microbatches(24, 4) == 12
-    assert default_microbatches(7, 2) == 7
+    assert default_microbatches(32, "1f1b", 2, 2) == 8
+    assert default_microbatches(24, "gpipe", 4, 4) == 12
+    assert default_microbatches(7, "1f1b", 2, 2) == 7
+    # interleaved 1F1B runs rounds of pp micro-batches: 9 would need 9 % 4 rounds == 0, so 8 it is
+    assert default_microbatches(72, "interleaved_1f1b", 2, 4) == 12
+    assert default_microbatches(18, "interleaved_1f1b", 2, 4) == 6
     with pytest.raises(PipelineConfigError, match="no divisor of 11 lies between 2 and 8"):
-        default_microbatches(11, 2)
+        default_microbatches(11, "1f1b", 2, 2)
 
 
 def test_schedule_names():
     assert normalize_schedule("GPipe") == "gpipe" and normalize_schedule("Schedule1F1B") == "1f1b"
     assert schedule_class("1F1B").__name__ == "Schedule1F1B"
+    # torch's class names and its get_schedule_class registry names are accepted too
+    assert normalize_schedule("ZBVZeroBubble") == "zbv" and normalize_schedule("ScheduleDualPipeV") == "dualpipev"
+    assert normalize_schedule("Interleaved1F1B") == normalize_schedule("interleaved-1f1b") == "interleaved_1f1b"
+    assert normalize_schedule("InterleavedZeroBubble") == "interleaved_zb"
+    assert normalize_schedule("LoopedBFS") == "looped_bfs"
     with pytest.raises(
-        PipelineConfigError, match=r"Unknown schedule='pipedream'; valid schedules are \['1f1b', 'gpipe'\]"
+        PipelineConfigError, match=r"Unknown schedule='pipedream'; valid schedules are \['gpipe', '1f1b'"
     ):
         normalize_schedule("pipedream")
-    with pytest.raises(NotImplementedError, match="issue 7"):
-        normalize_schedule("ZBV")
+
+
+def test_stage_placement_loop_and_v():
+    # loop: stage s on rank s % pp; V: (r, 2p-1-r), so the last stage is on pipeline rank 0
+    assert [stages_of_rank("interleaved_1f1b", r, 4, 2) for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [stages_of_rank("zbv", r, 4, 2) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [rank_of_stage("dualpipev", s, 2) for s in range(4)] == [0, 1, 1, 0]
+    assert [rank_of_stage("looped_bfs", s, 2) for s in range(6)] == [0, 1, 0, 1, 0, 1]
+    assert resolve_stages_per_rank("1f1b", None) == 1 and resolve_stages_per_rank("interleaved_zb", None) == 2
+    assert resolve_stages_per_rank("looped_bfs", 3) == 3
+    with pytest.raises(PipelineConfigError, match=r"exactly two stages per rank.*stages_per_rank=3"):
+        resolve_stages_per_rank("zbv", 3)
+    with pytest.raises(PipelineConfigError, match=r"one stage per rank, but stages_per_rank=2"):
+        resolve_stages_per_rank("gpipe", 2)
 
 
 def test_1f1b_needs_as_many_microbatches_as_stages():
-    check_microbatches("gpipe", 2, 4)
+    check_microbatches("gpipe", 2, 4, 4)
     with pytest.raises(PipelineConfigError, match=r"n_microbatches=2 and there are 4 stages; use n_microbatches=4"):
-        check_microbatches("1f1b", 2, 4)
+        check_microbatches("1f1b", 2, 4, 4)
     with pytest.raises(PipelineConfigError, match="must be a positive integer"):
-        check_microbatches("gpipe", 0, 2)
+        check_microbatches("gpipe", 0, 2, 2)
+    with pytest.raises(PipelineConfigError, match=r"n_microbatches=3 and there are 4 stages"):
+        check_microbatches("dualpipev", 3, 2, 4)
+    with pytest.raises(PipelineConfigError, match=r"n_microbatches=5 must be a multiple of its 2 rounds"):
+        check_microbatches("interleaved_1f1b", 5, 2, 4)
     with pytest.raises(PipelineConfigError, match="The last batch has 8 samples"):
         check_batch_size(8, 3, "The last batch")
 
