@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -12,16 +17,38 @@ import torch
 # the model of the design card: 8 TransformerEncoderLayers, d=256, 4 heads, ff 1024, vocab 1000, 64 tokens
 MODEL = dict(vocab=1000, dim=256, n_layers=8, n_heads=4, seq_len=64)
 BATCH = 32
+# steps left out before timing: the first also runs torch's shape inference
+WARMUP = 3
+HERE = Path(__file__).parent
 
 
-def batches(n: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def torchrun(script: str, *args: Any, ranks: int = 2) -> dict[str, Any]:
+    """Run ``script`` on ``ranks`` local processes, one thread each, as the tutorial launches; its JSON result."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+        subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+             str(HERE / script), *[str(a) for a in args[:3]], str(out), *[str(a) for a in args[3:]]],
+            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        return json.loads(out.read_text())
+
+
+def step_times(ends: list[float]) -> list[float]:
+    """Wall time between consecutive step ends after the warm-up."""
+    return [b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :])]
+
+
+def batches(n: int, seed: int = 0, vocab: int = MODEL["vocab"]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    data = torch.randint(0, MODEL["vocab"], (n, BATCH, MODEL["seq_len"] + 1), generator=g)
+    data = torch.randint(0, vocab, (n, BATCH, MODEL["seq_len"] + 1), generator=g)
     return [(d[:, :-1], d[:, 1:]) for d in data]
 
 
-def pipeline_trainer(schedule: str, m: int, steps: int, callback: Any) -> Any:
-    """The Trainer every strategy benchmark uses: torchrun's ranks, nothing but training and ``callback``."""
+def pipeline_trainer(schedule: str, m: int, steps: int, callbacks: list[Any], **strategy: Any) -> Any:
+    """The Trainer every strategy benchmark uses: torchrun's ranks, nothing but training and ``callbacks``;
+    ``strategy`` holds further PipelineStrategy arguments."""
     import lightning as L
 
     from lightning_pp import PipelineStrategy
@@ -29,14 +56,14 @@ def pipeline_trainer(schedule: str, m: int, steps: int, callback: Any) -> Any:
     return L.Trainer(
         accelerator="cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
-        strategy=PipelineStrategy(schedule=schedule, n_microbatches=m),
+        strategy=PipelineStrategy(schedule=schedule, n_microbatches=m, **strategy),
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        callbacks=[callback],
+        callbacks=callbacks,
     )
 
 

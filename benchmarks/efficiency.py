@@ -1,10 +1,12 @@
-"""Pipeline efficiency against the bubble bound, for the strategy and raw torch, GPipe and 1F1B.
+"""Pipeline efficiency against the bubble bound, for the strategy (per balance mode) and raw torch.
 
-    python benchmarks/efficiency.py [--ms 2 4 8 16 32] [--steps 10]
+    python benchmarks/efficiency.py [--ms 2 4 8 16 32] [--balance uniform profile] [--steps 9]
 
 t1 = one process, one thread, the same m micro-batches one after another; ideal pipelined step
 = t1 x (m + p - 1) / (m x p); efficiency = ideal / measured (p = 2, one thread per rank).
-Runs alternate; medians. Writes benchmarks/results/efficiency.json.
+For each m the runs alternate (t1, then per schedule the strategy under each balance mode and raw
+torch with the tutorial's uniform split); medians over the measured steps. Writes
+benchmarks/results/efficiency.json.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from common import machine
-from overhead import WARMUP, timed_run
+from common import machine, step_times, torchrun
 
 HERE = Path(__file__).parent
 P = 2
@@ -30,29 +31,37 @@ def single_run(m: int, steps: int) -> float:
         out = Path(tmp) / "times.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
         subprocess.run([sys.executable, str(HERE / "run_single.py"), str(m), str(steps), str(out)], check=True, env=env)
-        ends = json.loads(out.read_text())["ends"]
-    return statistics.median(b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :]))
+        return statistics.median(step_times(json.loads(out.read_text())["ends"]))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ms", type=int, nargs="+", default=[2, 4, 8, 16, 32])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--balance", nargs="+", default=["uniform", "profile"])
+    parser.add_argument("--steps", type=int, default=9)
     args = parser.parse_args()
     rows = []
     for m in args.ms:
         t1 = single_run(m, args.steps)
         ideal = t1 * (m + P - 1) / (m * P)
         for schedule in ("gpipe", "1f1b"):
-            strategy = statistics.median(timed_run("run_strategy.py", schedule, m, args.steps))
-            raw = statistics.median(timed_run("run_raw.py", schedule, m, args.steps))
+            measured = {
+                balance: statistics.median(
+                    step_times(
+                        torchrun("run_strategy.py", schedule, m, args.steps, json.dumps({"balance": balance}))["ends"]
+                    )
+                )
+                for balance in args.balance
+            }
+            raw = statistics.median(step_times(torchrun("run_raw.py", schedule, m, args.steps)["ends"]))
             rows.append({
-                "schedule": schedule, "m": m, "t1_s": t1, "ideal_s": ideal, "strategy_s": strategy, "raw_s": raw,
-                "efficiency_strategy": ideal / strategy, "efficiency_raw": ideal / raw,
-                "bubble_bound": (P - 1) / (m + P - 1),
+                "schedule": schedule, "m": m, "t1_s": t1, "ideal_s": ideal, "raw_s": raw,
+                "efficiency_raw": ideal / raw, "bubble_bound": (P - 1) / (m + P - 1),
+                **{f"strategy_{b}_s": s for b, s in measured.items()},
+                **{f"efficiency_strategy_{b}": ideal / s for b, s in measured.items()},
             })  # fmt: skip
-            print(json.dumps(rows[-1]))
-    result = {"benchmark": "efficiency", "machine": machine(), "stages": P, "balance": "uniform", "rows": rows}
+            print(json.dumps(rows[-1]), flush=True)
+    result = {"benchmark": "efficiency", "machine": machine(), "stages": P, "steps": args.steps, "rows": rows}
     (HERE / "results" / "efficiency.json").write_text(json.dumps(result, indent=1))
 
 

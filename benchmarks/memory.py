@@ -1,4 +1,5 @@
-"""Peak activation memory saved for backward per stage: GPipe against 1F1B (p=2, m=8).
+"""Peak activation memory saved for backward per stage: GPipe against 1F1B (p=2, m=8), and 1F1B with
+activation checkpointing against without.
 
     python benchmarks/memory.py [--m 8] [--steps 3]
 
@@ -10,27 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from common import BATCH, MODEL, machine
+from common import BATCH, MODEL, machine, torchrun
 
 HERE = Path(__file__).parent
 
 
-def peaks(schedule: str, m: int, steps: int) -> list[int]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "peaks.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(HERE / "run_memory.py"), schedule, str(m), str(steps), str(out)],
-            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        return json.loads(out.read_text())["peak_bytes_per_stage"]
+def peaks(schedule: str, m: int, steps: int, recompute: bool = False) -> dict[str, list[int]]:
+    return torchrun("run_memory.py", schedule, m, steps, "recompute" if recompute else "")
 
 
 def main() -> None:
@@ -38,14 +27,18 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    gpipe, one_f_one_b = peaks("gpipe", args.m, args.steps), peaks("1f1b", args.m, args.steps)
+    runs = {name: peaks(name, args.m, args.steps) for name in ("gpipe", "1f1b")}
+    runs["1f1b_activation_checkpointing"] = peaks("1f1b", args.m, args.steps, recompute=True)
+    gpipe, one_f_one_b, recomputed = (runs[k]["peak_bytes_per_stage"] for k in runs)
     result = {
         "benchmark": "memory",
         "machine": machine(),
         "config": {"model": MODEL, "batch": BATCH, "stages": 2, "n_microbatches": args.m, "steps": args.steps},
-        "peak_saved_bytes": {"gpipe": gpipe, "1f1b": one_f_one_b},
+        "peak_saved_bytes": {name: run["peak_bytes_per_stage"] for name, run in runs.items()},
+        "held_from_earlier_steps_bytes": {name: run["held_bytes_per_stage"] for name, run in runs.items()},
         "ratio_1f1b_over_gpipe": max(one_f_one_b) / max(gpipe),
         "ratio_per_stage": [b / a for a, b in zip(gpipe, one_f_one_b)],
+        "ratio_checkpointed_over_1f1b_per_stage": [b / a for a, b in zip(one_f_one_b, recomputed)],
     }
     path = HERE / "results" / "memory.json"
     path.write_text(json.dumps(result, indent=1))

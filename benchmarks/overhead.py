@@ -11,30 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from common import machine, median_spread
+from common import WARMUP, machine, median_spread, step_times, torchrun
 
 HERE = Path(__file__).parent
-WARMUP = 5
 
 
 def timed_run(script: str, schedule: str, m: int, steps: int) -> list[float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-        subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-             str(HERE / script), schedule, str(m), str(steps), str(out)],
-            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        ends = json.loads(out.read_text())["ends"]
-    return [b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :])]
+    return step_times(torchrun(script, schedule, m, steps)["ends"])
 
 
 def main() -> None:

@@ -2,7 +2,10 @@
 
 Saved-tensor hooks around each training step count every saved storage once while it is alive;
 parameters (and views of them) are excluded. The first step is left out: it also runs torch's
-shape inference (an extra forward). Rank 0 writes every stage's peak to the JSON file given.
+shape inference (an extra forward). Counted from each step's start; what is still alive from
+earlier steps is reported apart (torch 2.13's shape inference leaves one micro-batch of a first
+stage's activations alive for good, raw torch alike). Rank 0 writes every stage's numbers to the
+JSON file given.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ class SavedActivations(L.Callback):
     def __init__(self) -> None:
         self.live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self.current = self.peak = 0
+        self.held = 0  # alive when the step started
         self.steps = 0
         self._hooks = None
 
@@ -35,7 +39,7 @@ class SavedActivations(L.Callback):
         if entry[1] == 0:
             self.current += entry[0]
             if self.steps > 1:
-                self.peak = max(self.peak, self.current)
+                self.peak = max(self.peak, self.current - self.held)
         entry[1] += 1
         return _Saved(self, key, tensor)
 
@@ -48,6 +52,7 @@ class SavedActivations(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.steps += 1
+        self.held = self.current
         self._params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
@@ -70,12 +75,15 @@ class _Saved:
 
 if __name__ == "__main__":
     schedule, m, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    recompute = len(sys.argv) > 5 and sys.argv[5] == "recompute"
     L.seed_everything(0, verbose=False)
     saved = SavedActivations()
-    trainer = pipeline_trainer(schedule, m, steps, saved)
+    trainer = pipeline_trainer(schedule, m, steps, [saved], activation_checkpointing=recompute)
     trainer.fit(GPT(**MODEL), DataLoader(batches(steps), batch_size=None))
-    peaks = [0] * trainer.world_size
-    dist.all_gather_object(peaks, saved.peak)
+    measured = [(0, 0)] * trainer.world_size
+    dist.all_gather_object(measured, (saved.peak, saved.held))
     if trainer.global_rank == 0:
         with open(out, "w") as f:
-            json.dump({"peak_bytes_per_stage": peaks}, f)
+            json.dump(
+                {"peak_bytes_per_stage": [p for p, _ in measured], "held_bytes_per_stage": [h for _, h in measured]}, f
+            )

@@ -1,6 +1,10 @@
 """One timed run of the GPT through ``Trainer(strategy=PipelineStrategy(...))`` (launch with torchrun).
 
-Writes the wall times between consecutive training-batch ends on rank 0 to the JSON file given.
+    run_strategy.py SCHEDULE M STEPS OUT [OPTIONS_JSON]
+
+OPTIONS_JSON may set ``balance``, ``vocab`` (a heavier head) and ``monitor`` (PipelineMonitor on:
+the measured bubble of each step is written too). Writes the wall times between consecutive
+training-batch ends on rank 0 to the JSON file OUT.
 """
 
 from __future__ import annotations
@@ -13,25 +17,32 @@ import lightning as L
 from common import MODEL, batches, pipeline_trainer
 from torch.utils.data import DataLoader
 
+from lightning_pp import PipelineMonitor
 from lightning_pp.examples.gpt import GPT
 
 
 class BatchEnds(L.Callback):
     def __init__(self) -> None:
         self.ends: list[float] = []
+        self.bubbles: list[float] = []
 
-    def on_train_batch_end(self, *args) -> None:
+    def on_train_batch_end(self, trainer, *args) -> None:
         self.ends.append(time.perf_counter())
+        if "pipeline/bubble" in trainer.callback_metrics:
+            self.bubbles.append(float(trainer.callback_metrics["pipeline/bubble"]))
 
 
 if __name__ == "__main__":
     schedule, m, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    model = {**MODEL, "vocab": options.get("vocab", MODEL["vocab"])}
     L.seed_everything(0, verbose=False)
-    data = batches(steps)
-    loader = DataLoader(data, batch_size=None)
+    loader = DataLoader(batches(steps, vocab=model["vocab"]), batch_size=None)
     ends = BatchEnds()
-    trainer = pipeline_trainer(schedule, m, steps, ends)
-    trainer.fit(GPT(**MODEL), loader)
+    callbacks = [PipelineMonitor(dirpath=options["monitor"]), ends] if options.get("monitor") else [ends]
+    trainer = pipeline_trainer(schedule, m, steps, callbacks, balance=options.get("balance"))
+    trainer.fit(GPT(**model), loader)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
-            json.dump({"ends": ends.ends}, f)
+            split = list(trainer.strategy.placement.counts)
+            json.dump({"ends": ends.ends, "bubbles": ends.bubbles, "layers_per_stage": split}, f)

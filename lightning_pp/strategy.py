@@ -57,6 +57,7 @@ from lightning_pp.metrics import load_states, sync_metrics_over
 from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_microbatches, split_batch
 from lightning_pp.partition import Balance, check_balance_mode, resolve_balance
 from lightning_pp.profiling import agree, describe_costs, profile_costs
+from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.relay import broadcast_report, replay
 from lightning_pp.schedule import (
     check_batch_size,
@@ -107,10 +108,6 @@ class PipelineStrategy(ParallelStrategy):
         self.schedule = normalize_schedule(schedule)
         if n_microbatches is not None:
             check_microbatches(self.schedule, int(n_microbatches), 1, 1)
-        if activation_checkpointing:
-            raise NotImplementedError(
-                "activation_checkpointing=True is planned (issue 7); use activation_checkpointing=False for now."
-            )
         if state_dict_type not in ("full", "sharded"):
             raise PipelineConfigError(
                 f"Unknown state_dict_type={state_dict_type!r}; use 'full' (one .ckpt file gathered on rank 0) or"
@@ -333,6 +330,11 @@ class PipelineStrategy(ParallelStrategy):
         return None if report.loss is None else report.loss.to(self.root_device)
 
     @property
+    def placement(self) -> Optional[Placement]:
+        """Which layers and parts each stage holds; decided at the first batch (None before)."""
+        return self._placement
+
+    @property
     def last_step_events(self) -> list[Event]:
         """This rank's timed events of the last recorded step (see ``PipelineMonitor``)."""
         return self._runner.last_events if self._runner is not None else []
@@ -373,6 +375,8 @@ class PipelineStrategy(ParallelStrategy):
                 _guard_forward(entry, placement, stages, type(module).__name__)
             self._keep_local_parameters(names)
             self._pruned = True
+            if self.activation_checkpointing:
+                checkpoint_layers(find_layers(module, self.layers))
         elif not self._pruned:
             local = stage_view(module, placement, stages)
         views = [LocalStage(s, stage_view(local, placement, [s]), placement.absent_on(s)) for s in stages]

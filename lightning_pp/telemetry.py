@@ -41,6 +41,8 @@ class StepRecorder:
     def instrument(self, pipeline_stage: Any, schedule: Any) -> None:
         pipeline_stage.forward_one_chunk = self._timed("F", pipeline_stage.forward_one_chunk, 0)
         pipeline_stage.backward_one_chunk = self._timed("B", pipeline_stage.backward_one_chunk, 0)
+        # zero-bubble schedules split backward: input gradients above, weight gradients here
+        pipeline_stage.backward_weight_one_chunk = self._timed("B", pipeline_stage.backward_weight_one_chunk, 0)
         for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
             setattr(pipeline_stage, name, self._timed("W", getattr(pipeline_stage, name), 0))
         if pipeline_stage.is_last:  # the loss, i.e. the user's step, runs outside the stage's forward

@@ -28,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size_of, tokens_in
-from lightning_pp.schedule import normalize_schedule
+from lightning_pp.schedule import resolve_stages_per_rank
 from lightning_pp.strategy import PipelineStrategy
 
 _CHILD_EXIT_S = 120
@@ -62,24 +62,25 @@ class Throughput(Callback):
 def check_config(cfg: DictConfig) -> None:
     """Overrides that cannot work, named by their config key, before any process starts."""
     try:
-        normalize_schedule(cfg.strategy.schedule)
-    except (PipelineConfigError, NotImplementedError) as error:
+        per_rank = resolve_stages_per_rank(cfg.strategy.schedule, cfg.strategy.get("stages_per_rank"))
+    except PipelineConfigError as error:
         raise PipelineConfigError(f"strategy.schedule={cfg.strategy.schedule}: {error}") from None
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)
     if not isinstance(devices, int):
         return
     world = devices * nodes
-    stages = cfg.strategy.get("pipeline_parallel_size") or world
-    if world % stages:
+    ranks = cfg.strategy.get("pipeline_parallel_size") or world
+    if world % ranks:
         raise PipelineConfigError(
-            f"strategy.pipeline_parallel_size={stages} does not divide trainer.devices x trainer.num_nodes ="
+            f"strategy.pipeline_parallel_size={ranks} does not divide trainer.devices x trainer.num_nodes ="
             f" {devices} x {nodes} = {world}; choose a stage count that divides {world}."
         )
+    stages = ranks * per_rank
     n_layers = cfg.model.get("n_layers")
     if isinstance(n_layers, int) and n_layers < stages:
         raise PipelineConfigError(
-            f"model.n_layers={n_layers} is less than the {stages} pipeline stages (trainer.devices x"
-            f" trainer.num_nodes = {world}); use more layers or fewer devices."
+            f"model.n_layers={n_layers} is less than the {stages} pipeline stages ({ranks} ranks x {per_rank}"
+            f" stages per rank); use more layers or fewer devices."
         )
 
 

@@ -19,15 +19,15 @@ from lightning_pp.strategy import check_module, check_training_setup
     "kwargs,error,match",
     [
         (dict(schedule="pipedream"), PipelineConfigError, r"Unknown schedule='pipedream'; valid schedules are"),
-        (dict(schedule="interleaved_1f1b"), NotImplementedError, r"issue 7"),
-        (dict(stages_per_rank=2), NotImplementedError, r"stages_per_rank=2 is planned \(issue 7"),
-        (dict(activation_checkpointing=True), NotImplementedError, r"activation_checkpointing=True is planned"),
+        (dict(schedule="gpipe", stages_per_rank=2), PipelineConfigError, r"one stage per rank, but stages_per_rank=2"),
+        (dict(schedule="ZBV", stages_per_rank=3), PipelineConfigError, r"exactly two stages per rank"),
+        (dict(schedule="looped_bfs", stages_per_rank=0), PipelineConfigError, r"stages_per_rank=0 must be a positive"),
         (dict(state_dict_type="distributed"), PipelineConfigError, r"Unknown state_dict_type='distributed'"),
         (dict(balance="speed"), ValueError, r"Unknown balance='speed'"),
         (dict(n_microbatches=0), PipelineConfigError, r"n_microbatches=0 must be a positive integer"),
     ],
 )
-def test_constructor_rejects_bad_and_planned_arguments(kwargs, error, match):
+def test_constructor_rejects_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
         PipelineStrategy(**kwargs)
 
@@ -43,12 +43,14 @@ def test_checks_before_the_first_batch():
     with pytest.raises(PipelineConfigError, match=r"layers='blocks'"):
         check_module(model, "blocks", None, 2)
     with pytest.raises(PipelineConfigError, match=r"n_microbatches=2 and there are 4 stages"):
-        check_training_setup(model, Precision(), "1f1b", 2, 4)
+        check_training_setup(model, Precision(), "1f1b", 2, make_layout(4, 4, 0))
+    with pytest.raises(PipelineConfigError, match=r"n_microbatches=3 and there are 4 stages"):
+        check_training_setup(model, Precision(), "dualpipev", 3, make_layout(2, 2, 0, "dualpipev", 2))
     with pytest.raises(NotImplementedError, match=r"bf16-mixed"):
-        check_training_setup(model, MixedPrecision("16-mixed", "cpu"), "1f1b", 4, 2)
+        check_training_setup(model, MixedPrecision("16-mixed", "cpu"), "1f1b", 4, make_layout(2, 2, 0))
     model.automatic_optimization = False
     with pytest.raises(PipelineConfigError, match=r"manual optimization"):
-        check_training_setup(model, Precision(), "1f1b", 4, 2)
+        check_training_setup(model, Precision(), "1f1b", 4, make_layout(2, 2, 0))
     with pytest.raises(PipelineConfigError, match=r"pipeline_parallel_size=3 does not divide the world size 4"):
         make_layout(3, 4, 0)
 

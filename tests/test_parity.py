@@ -24,8 +24,16 @@ SCENARIOS = {
         val_check_interval=0.5,
         monitor=True,
     ),
-    "1f1b-2-accumulate-syncdist": dict(
-        schedule="1f1b", devices=2, m=2, batch=8, n_train=64, accumulate=2, sync_dist=True, params=True
+    "1f1b-2-accumulate-syncdist-recompute": dict(
+        schedule="1f1b",
+        devices=2,
+        m=2,
+        batch=8,
+        n_train=64,
+        accumulate=2,
+        sync_dist=True,
+        params=True,
+        activation_checkpointing=True,
     ),
     "gpipe-4-sgd-clip": dict(
         schedule="gpipe", devices=4, m=4, batch=8, n_train=48, clip=0.05, optimizer="sgd", lr=0.5, params=True
@@ -45,8 +53,12 @@ SCENARIOS = {
 }
 
 
+PIPELINE_ONLY = ("schedule", "devices", "m", "params", "layers", "balance", "activation_checkpointing")
+
+
 def common(cfg: dict) -> dict:
-    return {k: v for k, v in cfg.items() if k not in ("schedule", "devices", "m", "params", "layers", "balance")}
+    """The scenario's settings that a one-process run shares."""
+    return {k: v for k, v in cfg.items() if k not in PIPELINE_ONLY}
 
 
 def assert_same_logs(pipe: dict, ref: dict, tol: float) -> None:

@@ -11,6 +11,7 @@ from models import TinyGPT  # noqa: E402
 
 from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
+from lightning_pp.recompute import checkpoint_layers  # noqa: E402
 from lightning_pp.stage import find_layers, plan_placement, prune_to_stages, trace_forward  # noqa: E402
 
 
@@ -139,3 +140,32 @@ def test_find_layers_errors_name_the_value_and_the_fix():
         find_layers(model, "layers")
     with pytest.raises(PipelineConfigError, match=r"layers='norm' is a LayerNorm"):
         find_layers(model, "norm")
+
+
+def test_activation_checkpointing_recomputes_each_layer_with_equal_gradients():
+    def build():
+        torch.manual_seed(0)
+        return nn.ModuleDict({str(i): nn.Sequential(nn.Linear(16, 64), nn.Dropout(0.2), nn.GELU()) for i in range(3)})
+
+    def run(layers):
+        calls, saved = [], []
+        for layer in layers.values():
+            layer[0].register_forward_hook(lambda *_: calls.append(1))
+        torch.manual_seed(1)
+        x = torch.randn(4, 16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            h = x
+            for layer in layers.values():
+                h = layer(h)[:, :16]
+        h.pow(2).sum().backward()
+        return [p.grad for p in layers.parameters()], x.grad, len(calls), sum(saved)
+
+    plain, recomputed = build(), build()
+    keys = list(recomputed.state_dict())
+    checkpoint_layers(recomputed)
+    grads, x_grad, calls, saved = run(plain)
+    grads_ckpt, x_grad_ckpt, calls_ckpt, saved_ckpt = run(recomputed)
+    assert list(recomputed.state_dict()) == keys  # names unchanged
+    assert calls_ckpt == 2 * calls == 6  # each layer ran again in backward (dropout replayed: equal grads)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ckpt)) and torch.equal(x_grad, x_grad_ckpt)
+    assert saved_ckpt < saved / 2
