@@ -4,13 +4,15 @@
 
 The design card's GPT; GPipe and 1F1B hold one stage per rank, the others two (loop or V
 placement), so the 8 layers make 2 or 4 stages. The monitor's all-gather adds the same cost to
-every schedule. Runs alternate over the schedules; medians. Writes benchmarks/results/schedules.json.
+every schedule. Runs alternate over the schedules; medians. Writes benchmarks/results/schedules.json
+and each schedule's last timeline as benchmarks/results/schedule_<name>.png (rows: pipeline ranks).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import tempfile
 from pathlib import Path
@@ -34,6 +36,7 @@ def main() -> None:
         for name in SCHEDULES:
             with tempfile.TemporaryDirectory() as tmp:
                 run = torchrun("run_strategy.py", name, args.m, args.steps, json.dumps({"monitor": tmp}))
+                shutil.copy(Path(tmp) / "pipeline_schedule.png", HERE / "results" / f"schedule_{name}.png")
             steps[name] += step_times(run["ends"])
             bubbles[name] += run["bubbles"][WARMUP:]
             print(name, statistics.median(steps[name]), statistics.median(bubbles[name]), flush=True)

@@ -36,6 +36,9 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
 SINGLE_STAGE = ("gpipe", "1f1b")
 # two stages per rank placed as a V, (r, 2p-1-r): the last stage, and so the loss, sits on pipeline rank 0
 V_SHAPED = ("zbv", "dualpipev")
+# zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks: DDP would not
+# average them over replicas (torch 2.13), so the gradients of these are averaged after the step
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 _ALIASES = {
     **{cls.__name__.lower(): name for name, cls in SCHEDULES.items()},
     # torch.distributed.pipelining.get_schedule_class's names

@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
@@ -28,7 +29,7 @@ from lightning_pp.metrics import MetricTap
 from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
 from lightning_pp.profiling import sum_of_outputs
 from lightning_pp.relay import LogRecorder, StepReport, combine
-from lightning_pp.schedule import build_schedule
+from lightning_pp.schedule import SPLIT_BACKWARD, build_schedule, normalize_schedule
 from lightning_pp.stage import get_path, patched
 from lightning_pp.telemetry import Event, StepRecorder
 
@@ -152,7 +153,9 @@ class PipelineRunner:
         self.is_last = n_stages - 1 in self.stage_indices
         self._wrappers = [_StageModule(s.module, s.index == n_stages - 1, s.absent) for s in stages]
         self._submodules: list[nn.Module] = list(self._wrappers)
-        if replicas is not None:
+        # replicas whose gradients this runner averages itself after each step (see SPLIT_BACKWARD)
+        self._average_over = replicas if normalize_schedule(schedule) in SPLIT_BACKWARD else None
+        if replicas is not None and self._average_over is None:
             # torch's stages drive DDP themselves: no sync while micro-batches accumulate, then the
             # gradients are averaged over the replicas during the last micro-batch's backward
             self._submodules = [
@@ -220,6 +223,8 @@ class PipelineRunner:
             with failures_shared(dist.get_rank(), dist.get_world_size()), self._tap.recording(), recording as events:
                 if train:
                     pipe.schedule.step(mb=sample_index, target=target, return_outputs=False)
+                    if self._average_over is not None:
+                        average_gradients(self.module.parameters(), self._average_over)
                 else:
                     pipe.schedule.eval(mb=sample_index, target=target)
             self.last_events = list(events)
@@ -244,8 +249,8 @@ class PipelineRunner:
                 for sub, index in zip(self._submodules, self.stage_indices)
             ]
             schedule = build_schedule(self.schedule_name, stages, n_microbatches, self._last_stage_loss, train)
-            for stage in stages:
-                self.recorder.instrument(stage, schedule)
+            for chunk, stage in enumerate(stages):
+                self.recorder.instrument(stage, schedule, chunk)
             pipe = self._pipes[key] = _Pipe(stages, schedule)
             while len(self._pipes) > _MAX_CACHED_SHAPES:
                 self._pipes.popitem(last=False)
@@ -290,6 +295,21 @@ class PipelineRunner:
             for entry in self._entries.values():
                 stack.enter_context(patched(entry, forward=serve))
             return self._step(self._microbatches[index], *self._step_rest, **self._step_kwargs)
+
+
+def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average this step's gradients over the replicas, as DDP would: one flat all-reduce per dtype."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    size = dist.get_world_size(group)
+    for same in by_dtype.values():
+        flat = _flatten_dense_tensors(same)
+        dist.all_reduce(flat, group=group)
+        flat.div_(size)
+        for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
+            grad.copy_(averaged)
 
 
 def _loss_of(result: Any) -> torch.Tensor | None:

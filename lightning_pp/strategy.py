@@ -600,10 +600,11 @@ def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
 def _guard_forward(module: torch.nn.Module, placement: Placement, stages: list[int], owner: str) -> None:
     """After pruning, calling the module outside the pipeline must fail loudly, not compute garbage."""
     layers = [key for stage in stages for key in placement.layers_of(stage)]
+    held = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages}"
 
     def pruned_forward(*_: Any, **__: Any) -> Any:
         raise RuntimeError(
-            f"This {type(module).__name__} holds only pipeline stage(s) {stages} of {placement.n_stages} (layers"
+            f"This {type(module).__name__} holds only pipeline {held} of {placement.n_stages} (layers"
             f" {layers} of '{placement.layers_path}'); the other parts are None on this rank."
             f" Load a checkpoint into a fresh module on one process instead, e.g."
             f" {owner}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."

@@ -20,11 +20,12 @@ from torch.distributed.pipelining import schedules
 
 @dataclass(frozen=True)
 class Event:
-    stage: int
+    stage: int  # the rank's position in the pipeline: its stage when it holds one
     kind: str  # "F" forward, "B" backward, "L" loss (the user's step), "W" communicating (posting or waiting)
     microbatch: int
     start: float
     end: float
+    chunk: int = 0  # which of the rank's stages (0: its first; multi-stage schedules hold several)
 
     @property
     def seconds(self) -> float:
@@ -38,24 +39,26 @@ class StepRecorder:
         self.stage = stage
         self.events: list[Event] | None = None
 
-    def instrument(self, pipeline_stage: Any, schedule: Any) -> None:
-        pipeline_stage.forward_one_chunk = self._timed("F", pipeline_stage.forward_one_chunk, 0)
-        pipeline_stage.backward_one_chunk = self._timed("B", pipeline_stage.backward_one_chunk, 0)
-        # zero-bubble schedules split backward: input gradients above, weight gradients here
-        pipeline_stage.backward_weight_one_chunk = self._timed("B", pipeline_stage.backward_weight_one_chunk, 0)
+    def instrument(self, pipeline_stage: Any, schedule: Any, chunk: int = 0) -> None:
+        """Time ``pipeline_stage``, the rank's ``chunk``-th stage, under ``schedule``."""
+        timed = {"forward_one_chunk": "F", "backward_one_chunk": "B",
+                 # zero-bubble schedules split backward: input gradients above, weight gradients here
+                 "backward_weight_one_chunk": "B"}  # fmt: skip
         for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
-            setattr(pipeline_stage, name, self._timed("W", getattr(pipeline_stage, name), 0))
+            timed[name] = "W"
+        for name, kind in timed.items():
+            setattr(pipeline_stage, name, self._timed(kind, getattr(pipeline_stage, name), 0, chunk))
         if pipeline_stage.is_last:  # the loss, i.e. the user's step, runs outside the stage's forward
-            schedule._maybe_compute_loss = self._timed("L", schedule._maybe_compute_loss, 3)
+            schedule._maybe_compute_loss = self._timed("L", schedule._maybe_compute_loss, 3, chunk)
 
-    def _timed(self, kind: str, method: Callable[..., Any], chunk_arg: int) -> Callable[..., Any]:
+    def _timed(self, kind: str, method: Callable[..., Any], mb_arg: int, chunk: int) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
             if self.events is None:
                 return method(*args, **kwargs)
             start = time.time()
             out = method(*args, **kwargs)
-            chunk = int(args[chunk_arg]) if kind != "W" else -1
-            self.events.append(Event(self.stage, kind, chunk, start, time.time()))
+            microbatch = int(args[mb_arg]) if kind != "W" else -1
+            self.events.append(Event(self.stage, kind, microbatch, start, time.time(), chunk))
             return out
 
         return run
@@ -125,14 +128,14 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
     return {
         "traceEvents": [
             {
-                "name": "wait" if e.kind == "W" else f"{e.kind}{e.microbatch}",
+                "name": "wait" if e.kind == "W" else f"{e.kind}{e.microbatch}" + "'" * e.chunk,
                 "cat": names[e.kind],
                 "ph": "X",
                 "pid": 0,
                 "tid": e.stage,
                 "ts": (e.start - t0) * 1e6,
                 "dur": e.seconds * 1e6,
-                "args": {"stage": e.stage, "microbatch": e.microbatch},
+                "args": {"stage": e.stage, "microbatch": e.microbatch, "chunk": e.chunk},
             }
             for e in sorted(events, key=lambda e: (e.stage, e.start))
         ],
@@ -141,7 +144,8 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
 
 
 def gantt_png(events: list[Event], path: Any, title: str = "") -> None:
-    """One row per stage; forward and backward coloured, micro-batch numbers on the bars."""
+    """One row per pipeline rank (its stage under GPipe and 1F1B); forward and backward coloured,
+    micro-batch numbers on the bars, primed on a rank's second stage (interleaved and V schedules)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -149,17 +153,22 @@ def gantt_png(events: list[Event], path: Any, title: str = "") -> None:
 
     compute = [e for e in events if e.kind in "FBL"]
     t0 = min(e.start for e in compute)
-    stages = sorted({e.stage for e in compute})
-    fig, ax = plt.subplots(figsize=(8, 0.7 * len(stages) + 1.2))
-    colors = {"F": "#4C72B0", "B": "#DD8452", "L": "#55A868"}
+    rows = sorted({e.stage for e in compute})
+    several = any(e.chunk for e in compute)
+    fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 1.2))
+    colors = {"F": ("#4C72B0", "#8FAADC"), "B": ("#DD8452", "#F0B98D"), "L": ("#55A868", "#8FD19E")}
     for e in compute:
-        ax.barh(e.stage, e.seconds * 1e3, left=(e.start - t0) * 1e3, color=colors[e.kind], edgecolor="white")
-        ax.text((e.start - t0 + e.seconds / 2) * 1e3, e.stage, str(e.microbatch), ha="center", va="center",
-                color="white", fontsize=7)  # fmt: skip
-    ax.set_yticks(stages, [f"stage {s}" for s in stages])
+        color = colors[e.kind][min(e.chunk, 1)]
+        ax.barh(e.stage, e.seconds * 1e3, left=(e.start - t0) * 1e3, color=color, edgecolor="white")
+        ax.text((e.start - t0 + e.seconds / 2) * 1e3, e.stage, f"{e.microbatch}" + "'" * e.chunk, ha="center",
+                va="center", color="white", fontsize=7)  # fmt: skip
+    ax.set_yticks(rows, [f"rank {r}" if several else f"stage {r}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first forward")
-    ax.set_title(f"{title} (blue: forward, green: loss, orange: backward; numbers: micro-batch)".strip(), fontsize=9)
+    legend = "blue: forward, green: loss, orange: backward; numbers: micro-batch"
+    if several:
+        legend += ", light and primed: the rank's second stage"
+    ax.set_title(f"{title} ({legend})".strip(), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

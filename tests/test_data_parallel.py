@@ -53,14 +53,19 @@ def test_two_replicas_of_two_stages_train_as_ddp(tmp_path):
     assert len(a) == len(b) == 4 and max(abs(x - y) for x, y in zip(a, b)) <= TOL
 
 
-def test_two_replicas_across_two_loopback_nodes(tmp_path):
-    one_node = ok(run_job({**COMMON, "strategy": "pipeline", "devices": 4, "pp": 2, "m": 2}, tmp_path / "one"))
+def test_two_replicas_of_a_v_schedule_across_two_loopback_nodes(tmp_path):
+    # ZBV: each replica's last stage, loss and logs sit on its first rank (global ranks 0 and 2)
+    zbv = {**COMMON, "strategy": "pipeline", "schedule": "zbv", "pp": 2, "m": 4}
+    one_node = ok(run_job({**zbv, "devices": 4}, tmp_path / "one"))
+    ddp = ok(run_job({**COMMON, "strategy": "ddp", "devices": 2}, tmp_path / "ddp"))
     out = tmp_path / "two"
-    cfg = {**COMMON, "strategy": "pipeline", "devices": 2, "num_nodes": 2, "pp": 2, "m": 2, "out": str(out)}
-    run_two_nodes(2, [str(HERE / "job.py"), json.dumps(cfg)])
+    run_two_nodes(2, [str(HERE / "job.py"), json.dumps({**zbv, "devices": 2, "num_nodes": 2, "out": str(out)})])
     got = sync_losses(json.loads((out / "rank0.json").read_text())["logged"], "train_loss")
     expected = sync_losses(one_node.rank(0)["logged"], "train_loss")
     assert len(got) == len(expected) and max(abs(a - b) for a, b in zip(got, expected)) <= TOL
+    reference = sync_losses(ddp.rank(0)["logged"], "train_loss")
+    assert len(reference) == len(expected) and max(abs(a - b) for a, b in zip(reference, expected)) <= TOL
+    assert [one_node.rank(r)["loss_steps"] > 0 for r in range(4)] == [True, False, True, False]
 
 
 def test_a_sampler_that_ignores_the_replica_fails_on_every_rank(tmp_path):
