@@ -9,6 +9,7 @@ bar and loggers on rank 0 and ``callback_metrics`` everywhere see the same numbe
 from __future__ import annotations
 
 import inspect
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,18 +113,57 @@ def combine(records: list[LogRecord]) -> list[LogRecord]:
     return combined
 
 
-def broadcast_report(report: StepReport | None, src: int, group: dist.ProcessGroup | None) -> StepReport:
-    """Every rank leaves with the last stage's report (``src`` is a global rank)."""
-    if report is not None:
-        report = StepReport(
-            None if report.loss is None else report.loss.detach().cpu(),
-            [LogRecord(r.name, r.value.cpu(), r.options, r.weight, r.metric) for r in report.logs],
-            report.metric_states,
-        )
-    box = [report]
-    dist.broadcast_object_list(box, src=src, group=group)
-    assert box[0] is not None
-    return box[0]
+class ReportRelay:
+    """Hands the last stage's report to the other ranks of its pipeline without making it wait.
+
+    A broadcast would hold the last stage until the first stage finished its last backward; under
+    1F1B that puts the last stage's optimizer step on the critical path of every step (about 3% of
+    step time here). The last stage posts sends instead and goes on; the others receive what is
+    usually there already. Sends of one step complete before the next step's are posted.
+    """
+
+    _TAG = 7351  # apart from the schedule's P2P traffic on the same group
+
+    def __init__(self, src: int, ranks: list[int], group: dist.ProcessGroup | None, device: torch.device) -> None:
+        self.src = src
+        self.others = [r for r in ranks if r != src]
+        self.group = group
+        self.device = device
+        self._pending: list[Any] = []
+        self._buffers: tuple[torch.Tensor, ...] = ()
+
+    def relay(self, report: StepReport | None) -> StepReport:
+        """Every rank of the pipeline leaves with the last stage's report (``src`` is a global rank)."""
+        if dist.get_rank() == self.src:
+            assert report is not None
+            self.flush()
+            payload = pickle.dumps(_on_cpu(report))
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+            size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+            self._buffers = (size, data)
+            for dst in self.others:
+                self._pending.append(dist.isend(size, dst, group=self.group, tag=self._TAG))
+                self._pending.append(dist.isend(data, dst, group=self.group, tag=self._TAG))
+            return report
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.recv(size, self.src, group=self.group, tag=self._TAG)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(data, self.src, group=self.group, tag=self._TAG)
+        return pickle.loads(data.cpu().numpy().tobytes())
+
+    def flush(self) -> None:
+        """Wait for the sends posted so far (before posting more, and before the process group goes)."""
+        for work in self._pending:
+            work.wait()
+        self._pending, self._buffers = [], ()
+
+
+def _on_cpu(report: StepReport) -> StepReport:
+    return StepReport(
+        None if report.loss is None else report.loss.detach().cpu(),
+        [LogRecord(r.name, r.value.cpu(), r.options, r.weight, r.metric) for r in report.logs],
+        report.metric_states,
+    )
 
 
 def replay(module: LightningModule, records: list[LogRecord], device: torch.device) -> None:

@@ -58,7 +58,7 @@ from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_mic
 from lightning_pp.partition import Balance, check_balance_mode, resolve_balance
 from lightning_pp.profiling import agree, describe_costs, profile_costs
 from lightning_pp.recompute import checkpoint_layers
-from lightning_pp.relay import broadcast_report, replay
+from lightning_pp.relay import ReportRelay, replay
 from lightning_pp.schedule import (
     check_batch_size,
     check_microbatches,
@@ -82,8 +82,9 @@ from lightning_pp.telemetry import Event
 class PipelineStrategy(ParallelStrategy):
     """Pipeline parallelism for an unchanged LightningModule whose layers sit in an ``nn.ModuleDict``.
 
-    Every rank is one stage (for now); stage ``s`` keeps the ``s``-th run of consecutive layers,
-    parts used before the layers live on the first stage and parts used after them on the last.
+    Stage ``s`` keeps the ``s``-th run of consecutive layers, parts used before the layers live on
+    the first stage and parts used after them on the last. A rank holds one stage under GPipe and
+    1F1B, ``stages_per_rank`` stages under torch's multi-stage schedules (loop or V placement).
     The user's own step methods compute the loss and log on the last stage, once per micro-batch;
     what they log reaches every rank as one process would have logged it.
     """
@@ -129,6 +130,7 @@ class PipelineStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._placement: Optional[Placement] = None
         self._runner: Optional[PipelineRunner] = None
+        self._relay: Optional[ReportRelay] = None
         self._state_keys: list[str] = []
         self._optimizer_layouts: list[OptimizerLayout] = []
         self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
@@ -323,7 +325,8 @@ class PipelineStrategy(ParallelStrategy):
             hook, args, kwargs, m, train=train, loss_scale=loss_scale, record=train and self.record_next_step
         )
         self.record_next_step = False
-        report = broadcast_report(report, src=self.layout.last_stage_rank, group=self._groups.pp)
+        assert self._relay is not None
+        report = self._relay.relay(report)
         if self.global_rank != self.layout.last_stage_rank:
             load_states(self.lightning_module, report.metric_states, self.root_device)
         replay(self.lightning_module, report.logs, self.root_device)
@@ -390,6 +393,12 @@ class PipelineStrategy(ParallelStrategy):
             model_entries(local, self.layers),
             self._groups.dp,
             label=self.layout.pp_rank,
+        )
+        layout = self.layout
+        # P2P on NCCL needs device tensors
+        device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
+        self._relay = ReportRelay(
+            layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, device
         )
         return self._runner
 
@@ -554,7 +563,9 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         assert self.cluster_environment is not None and self.accelerator is not None
-        self._runner = None
+        if self._relay is not None:
+            self._relay.flush()
+        self._runner = self._relay = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -168,7 +168,7 @@ def gantt_png(events: list[Event], path: Any, title: str = "") -> None:
     legend = "blue: forward, green: loss, orange: backward; numbers: micro-batch"
     if several:
         legend += ", light and primed: the rank's second stage"
-    ax.set_title(f"{title} ({legend})".strip(), fontsize=9)
+    ax.set_title(f"{title}\n({legend})".strip(), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
