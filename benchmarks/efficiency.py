@@ -2,7 +2,8 @@
 
     python benchmarks/efficiency.py [--ms 2 4 8 16 32] [--balance uniform profile] [--steps 9]
 
-t1 = one process, one thread, the same m micro-batches one after another; ideal pipelined step
+t1 = one process, one thread, the same m micro-batches one after another (run before and after the
+pipelined runs of each m, step times pooled); ideal pipelined step
 = t1 x (m + p - 1) / (m x p); efficiency = ideal / measured (p = 2, one thread per rank).
 For each m the runs alternate (t1, then per schedule the strategy under each balance mode and raw
 torch with the tutorial's uniform split); medians over the measured steps. Writes
@@ -26,12 +27,12 @@ HERE = Path(__file__).parent
 P = 2
 
 
-def single_run(m: int, steps: int) -> float:
+def single_run(m: int, steps: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
         subprocess.run([sys.executable, str(HERE / "run_single.py"), str(m), str(steps), str(out)], check=True, env=env)
-        return statistics.median(step_times(json.loads(out.read_text())["ends"]))
+        return step_times(json.loads(out.read_text())["ends"])
 
 
 def main() -> None:
@@ -42,18 +43,20 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for m in args.ms:
-        t1 = single_run(m, args.steps)
+        before = single_run(m, args.steps)
+        pipelined = {}
+        for schedule in ("gpipe", "1f1b"):
+            for balance in args.balance:
+                run = torchrun("run_strategy.py", schedule, m, args.steps, json.dumps({"balance": balance}))
+                pipelined[schedule, balance] = statistics.median(step_times(run["ends"]))
+            run = torchrun("run_raw.py", schedule, m, args.steps)
+            pipelined[schedule, "raw"] = statistics.median(step_times(run["ends"]))
+        # t1 before and after the pipelined runs, pooled: the machine drifts
+        t1 = statistics.median(before + single_run(m, args.steps))
         ideal = t1 * (m + P - 1) / (m * P)
         for schedule in ("gpipe", "1f1b"):
-            measured = {
-                balance: statistics.median(
-                    step_times(
-                        torchrun("run_strategy.py", schedule, m, args.steps, json.dumps({"balance": balance}))["ends"]
-                    )
-                )
-                for balance in args.balance
-            }
-            raw = statistics.median(step_times(torchrun("run_raw.py", schedule, m, args.steps)["ends"]))
+            raw = pipelined[schedule, "raw"]
+            measured = {b: pipelined[schedule, b] for b in args.balance}
             rows.append({
                 "schedule": schedule, "m": m, "t1_s": t1, "ideal_s": ideal, "raw_s": raw,
                 "efficiency_raw": ideal / raw, "bubble_bound": (P - 1) / (m + P - 1),
