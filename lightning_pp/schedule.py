@@ -58,10 +58,6 @@ def normalize_schedule(name: str) -> str:
     raise PipelineConfigError(f"Unknown schedule={name!r}; valid schedules are {list(SCHEDULES)} (case-insensitive).")
 
 
-def schedule_class(name: str) -> type[_PipelineSchedule]:
-    return SCHEDULES[normalize_schedule(name)]
-
-
 def resolve_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
     """Stages each rank holds: 1 for GPipe and 1F1B, 2 for the V schedules, by default 2 for the looped ones."""
     name = normalize_schedule(schedule)

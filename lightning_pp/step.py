@@ -104,20 +104,14 @@ def replace_leading_inputs(
     return tuple(bound.args[1:]), dict(bound.kwargs)
 
 
-class _Pipe:
-    def __init__(self, stages: list[PipelineStage], schedule: _PipelineSchedule) -> None:
-        self.stages = stages
-        self.schedule = schedule
-
-    @property
-    def initialized(self) -> bool:
-        """False while torch runs shape inference (whose loss call must have no side effects)."""
-        schedule: Any = self.schedule
-        if isinstance(schedule, PipelineScheduleSingle):
-            forward, backward = schedule._stage_forward_initialized, schedule._stage_backward_initialized
-        else:
-            forward, backward = schedule._stages_forward_initialized, schedule._stages_backward_initialized
-        return bool(forward) and (not schedule._has_backward or bool(backward))
+def _initialized(schedule: _PipelineSchedule) -> bool:
+    """False while torch runs shape inference (whose loss call must have no side effects)."""
+    any_schedule: Any = schedule
+    if isinstance(schedule, PipelineScheduleSingle):
+        forward, backward = any_schedule._stage_forward_initialized, any_schedule._stage_backward_initialized
+    else:
+        forward, backward = any_schedule._stages_forward_initialized, any_schedule._stages_backward_initialized
+    return bool(forward) and (not schedule._has_backward or bool(backward))
 
 
 @dataclass(frozen=True)
@@ -169,8 +163,8 @@ class PipelineRunner:
                 for wrapper in self._wrappers
             ]
         self._entries = entries
-        self._pipes: OrderedDict[tuple, _Pipe] = OrderedDict()
-        self._current: _Pipe | None = None
+        self._schedules: OrderedDict[tuple, _PipelineSchedule] = OrderedDict()
+        self._current: _PipelineSchedule | None = None
         # per-step state used by the last stage's loss function
         self._step: Callable[..., Any] | None = None
         self._step_rest: tuple = ()
@@ -214,19 +208,19 @@ class PipelineRunner:
         self._recorder = LogRecorder(self._tap.paths)
         self._recorder.weight = float(rows // n_microbatches)
 
-        pipe = self._pipe(train, n_microbatches, signature(batch))
-        self._current = pipe
+        schedule = self._schedule(train, n_microbatches, signature(batch))
+        self._current = schedule
         sample_index = torch.arange(rows)
         target = sample_index if self.is_last else None
         recording = self.recorder.recording() if record else contextlib.nullcontext([])
         try:
             with failures_shared(dist.get_rank(), dist.get_world_size()), self._tap.recording(), recording as events:
                 if train:
-                    pipe.schedule.step(mb=sample_index, target=target, return_outputs=False)
+                    schedule.step(mb=sample_index, target=target, return_outputs=False)
                     if self._average_over is not None:
                         average_gradients(self.module.parameters(), self._average_over)
                 else:
-                    pipe.schedule.eval(mb=sample_index, target=target)
+                    schedule.eval(mb=sample_index, target=target)
             self.last_events = list(events)
         finally:
             for wrapper in self._wrappers:
@@ -239,11 +233,11 @@ class PipelineRunner:
         loss = torch.stack(losses).mean() if losses and len(losses) == n_microbatches else None
         return StepReport(loss, combine(self._recorder.records), self._tap.states())
 
-    def _pipe(self, train: bool, n_microbatches: int, shape_key: tuple) -> _Pipe:
-        """One stage and schedule per batch signature and mode: torch freezes shapes at first use."""
+    def _schedule(self, train: bool, n_microbatches: int, shape_key: tuple) -> _PipelineSchedule:
+        """Stages and a schedule per batch signature and mode: torch freezes shapes at first use."""
         key = (train, n_microbatches, shape_key)
-        pipe = self._pipes.get(key)
-        if pipe is None:
+        schedule = self._schedules.get(key)
+        if schedule is None:
             stages = [
                 PipelineStage(sub, index, self.n_stages, self.device, group=self.group)
                 for sub, index in zip(self._submodules, self.stage_indices)
@@ -251,15 +245,15 @@ class PipelineRunner:
             schedule = build_schedule(self.schedule_name, stages, n_microbatches, self._last_stage_loss, train)
             for chunk, stage in enumerate(stages):
                 self.recorder.instrument(stage, schedule, chunk)
-            pipe = self._pipes[key] = _Pipe(stages, schedule)
-            while len(self._pipes) > _MAX_CACHED_SHAPES:
-                self._pipes.popitem(last=False)
-        self._pipes.move_to_end(key)
-        return pipe
+            self._schedules[key] = schedule
+            while len(self._schedules) > _MAX_CACHED_SHAPES:
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
+        return schedule
 
     def _last_stage_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         assert self._current is not None
-        if not self._current.initialized:
+        if not _initialized(self._current):
             # torch's metadata pass over uninitialised data: the right graph, no side effects
             return sum_of_outputs(output)
         last = self._wrappers[-1]
@@ -268,7 +262,7 @@ class PipelineRunner:
         self.outputs[index] = result
         loss = _loss_of(result)
         if loss is None:
-            if self._current.schedule._has_backward:
+            if self._current._has_backward:
                 raise PipelineConfigError(
                     f"training_step returned {type(result).__name__}; under the pipeline it must return the loss"
                     " (a tensor, or a dict with a 'loss' key) on every micro-batch: skipping a step is not supported."

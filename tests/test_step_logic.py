@@ -8,13 +8,13 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import capture_model_call, split_batch
 from lightning_pp.relay import LogRecord, LogRecorder, combine
 from lightning_pp.schedule import (
+    SCHEDULES,
     check_batch_size,
     check_microbatches,
     default_microbatches,
     normalize_schedule,
     rank_of_stage,
     resolve_stages_per_rank,
-    schedule_class,
     stages_of_rank,
 )
 
@@ -52,7 +52,7 @@ def test_default_microbatches_is_the_largest_divisor_within_bounds():
 
 def test_schedule_names():
     assert normalize_schedule("GPipe") == "gpipe" and normalize_schedule("Schedule1F1B") == "1f1b"
-    assert schedule_class("1F1B").__name__ == "Schedule1F1B"
+    assert SCHEDULES[normalize_schedule("1F1B")].__name__ == "Schedule1F1B"
     # torch's class names and its get_schedule_class registry names are accepted too
     assert normalize_schedule("ZBVZeroBubble") == "zbv" and normalize_schedule("ScheduleDualPipeV") == "dualpipev"
     assert normalize_schedule("Interleaved1F1B") == normalize_schedule("interleaved-1f1b") == "interleaved_1f1b"
