@@ -15,7 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
-from common import MODEL, machine, median_spread, step_times, torchrun
+from common import MODEL, launch, machine, median_spread, step_times
 
 HERE = Path(__file__).parent
 MODES = ("uniform", "parameters", "profile")
@@ -32,9 +32,8 @@ def main() -> None:
     splits: dict[str, list[int]] = {}
     for _ in range(args.rounds):
         for mode in MODES:
-            run = torchrun(
-                "run_strategy.py", "1f1b", args.m, args.steps, json.dumps({"balance": mode, "vocab": args.vocab})
-            )
+            options = json.dumps({"balance": mode, "vocab": args.vocab})
+            run = launch("run_strategy.py", "1f1b", args.m, args.steps, extra=options)
             runs[mode].append(statistics.median(step_times(run["ends"])))
             splits[mode] = run["layers_per_stage"]
             print(mode, splits[mode], runs[mode][-1], flush=True)

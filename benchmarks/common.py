@@ -22,16 +22,23 @@ WARMUP = 3
 HERE = Path(__file__).parent
 
 
-def torchrun(script: str, *args: Any, ranks: int = 2) -> dict[str, Any]:
-    """Run ``script`` on ``ranks`` local processes, one thread each, as the tutorial launches; its JSON result."""
+def launch(script: str, *args: Any, extra: str | None = None, ranks: int | None = 2) -> dict[str, Any]:
+    """Run ``script ARGS OUT [EXTRA]`` with one thread per process and return the JSON it wrote to OUT:
+    under torchrun on ``ranks`` local processes (as the tutorial launches), or as one plain process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+        launcher = (
+            [] if ranks is None else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
+        )
+        command = [sys.executable, *launcher, str(HERE / script), *map(str, args), str(out)]
         subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-             str(HERE / script), *[str(a) for a in args[:3]], str(out), *[str(a) for a in args[3:]]],
-            check=True, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
+            command + ([extra] if extra else []),
+            check=True,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         return json.loads(out.read_text())
 
 

@@ -14,25 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
-from common import machine, step_times, torchrun
+from common import launch, machine, step_times
 
 HERE = Path(__file__).parent
 P = 2
 
 
 def single_run(m: int, steps: int) -> list[float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
-        subprocess.run([sys.executable, str(HERE / "run_single.py"), str(m), str(steps), str(out)], check=True, env=env)
-        return step_times(json.loads(out.read_text())["ends"])
+    return step_times(launch("run_single.py", m, steps, ranks=None)["ends"])
 
 
 def main() -> None:
@@ -47,9 +39,9 @@ def main() -> None:
         pipelined = {}
         for schedule in ("gpipe", "1f1b"):
             for balance in args.balance:
-                run = torchrun("run_strategy.py", schedule, m, args.steps, json.dumps({"balance": balance}))
+                run = launch("run_strategy.py", schedule, m, args.steps, extra=json.dumps({"balance": balance}))
                 pipelined[schedule, balance] = statistics.median(step_times(run["ends"]))
-            run = torchrun("run_raw.py", schedule, m, args.steps)
+            run = launch("run_raw.py", schedule, m, args.steps)
             pipelined[schedule, "raw"] = statistics.median(step_times(run["ends"]))
         # t1 before and after the pipelined runs, pooled: the machine drifts
         t1 = statistics.median(before + single_run(m, args.steps))

@@ -13,13 +13,13 @@ import argparse
 import json
 from pathlib import Path
 
-from common import BATCH, MODEL, machine, torchrun
+from common import BATCH, MODEL, launch, machine
 
 HERE = Path(__file__).parent
 
 
 def peaks(schedule: str, m: int, steps: int, recompute: bool = False) -> dict[str, list[int]]:
-    return torchrun("run_memory.py", schedule, m, steps, "recompute" if recompute else "")
+    return launch("run_memory.py", schedule, m, steps, extra="recompute" if recompute else None)
 
 
 def main() -> None:

@@ -14,13 +14,13 @@ import json
 import statistics
 from pathlib import Path
 
-from common import WARMUP, machine, median_spread, step_times, torchrun
+from common import WARMUP, launch, machine, median_spread, step_times
 
 HERE = Path(__file__).parent
 
 
 def timed_run(script: str, schedule: str, m: int, steps: int) -> list[float]:
-    return step_times(torchrun(script, schedule, m, steps)["ends"])
+    return step_times(launch(script, schedule, m, steps)["ends"])
 
 
 def main() -> None:

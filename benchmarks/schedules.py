@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import WARMUP, machine, median_spread, step_times, torchrun
+from common import WARMUP, launch, machine, median_spread, step_times
 
 from lightning_pp.schedule import SCHEDULES
 
@@ -35,7 +35,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for name in SCHEDULES:
             with tempfile.TemporaryDirectory() as tmp:
-                run = torchrun("run_strategy.py", name, args.m, args.steps, json.dumps({"monitor": tmp}))
+                run = launch("run_strategy.py", name, args.m, args.steps, extra=json.dumps({"monitor": tmp}))
                 shutil.copy(Path(tmp) / "pipeline_schedule.png", HERE / "results" / f"schedule_{name}.png")
             steps[name] += step_times(run["ends"])
             bubbles[name] += run["bubbles"][WARMUP:]

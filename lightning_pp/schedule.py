@@ -81,15 +81,23 @@ def resolve_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
 def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
     """The stages pipeline rank ``pp_rank`` holds: loop placement (stage s on rank s % pp) or a V."""
     if normalize_schedule(schedule) in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
+        return _v_stages(pp_rank, pp)
     return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
 def rank_of_stage(schedule: str, stage: int, pp: int) -> int:
     """The pipeline rank that holds ``stage`` (the inverse of ``stages_of_rank``)."""
     if normalize_schedule(schedule) in V_SHAPED:
-        return stage if stage < pp else 2 * pp - 1 - stage
+        return _v_rank(stage, pp)
     return stage % pp
+
+
+def _v_stages(pp_rank: int, pp: int) -> list[int]:
+    return [pp_rank, 2 * pp - 1 - pp_rank]
+
+
+def _v_rank(stage: int, pp: int) -> int:
+    return stage if stage < pp else 2 * pp - 1 - stage
 
 
 def default_microbatches(batch_size: int, schedule: str, pp: int, n_stages: int) -> int:
@@ -171,17 +179,13 @@ class _ForwardOnlyV(_PipelineScheduleRuntime):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         pp, n = self.pp_group_size, self._num_stages
-        mapping = {s: rank_of_stage("zbv", s, pp) for s in range(n)}
+        mapping = {s: _v_rank(s, pp) for s in range(n)}
         self.stage_index_to_group_rank = mapping
         for stage in self._stages:
             stage.stage_index_to_group_rank = mapping
         forward = _ComputationType.FORWARD
         self.pipeline_order = {
-            r: [
-                _Action(s, forward, mb)
-                for s in sorted(stages_of_rank("zbv", r, pp, 2))
-                for mb in range(self._n_microbatches)
-            ]
+            r: [_Action(s, forward, mb) for s in _v_stages(r, pp) for mb in range(self._n_microbatches)]
             for r in range(pp)
         }
         self.pipeline_order_with_comms = _add_send_recv(

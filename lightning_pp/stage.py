@@ -180,7 +180,7 @@ def plan_placement(
 ) -> Placement:
     """Decide every part's stage from the traced forward; reject what cannot be pipelined.
 
-    ``profiled`` are the measured costs ``balance="profile"`` splits by.
+    ``profiled`` are the measured costs ``balance="profile"`` splits by (given only in that mode).
     """
     layers = find_layers(module, path)
     keys = tuple(layers.keys())
@@ -216,8 +216,7 @@ def plan_placement(
         else:
             layer_costs[pos - 1] += size
     by_params = Costs([float(c) for c in layer_costs], float(first), float(last))
-    is_profile = isinstance(balance, str) and balance.lower() == "profile"
-    counts = resolve_balance(balance, n, n_stages, profiled if is_profile else by_params)
+    counts = resolve_balance(balance, n, n_stages, profiled if profiled is not None else by_params)
     layer_stage = stage_of_each_layer(counts)
 
     def stages_at(positions: list[int]) -> tuple[int, ...]:
