@@ -8,9 +8,18 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import PipelinePeerError
+from lightning_pp.materialize import empty_weights, materialize, name_seed
 from lightning_pp.strategy import PipelineStrategy
 
-__all__ = ["PipelineConfigError", "PipelineMonitor", "PipelinePeerError", "PipelineStrategy"]
+__all__ = [
+    "PipelineConfigError",
+    "PipelineMonitor",
+    "PipelinePeerError",
+    "PipelineStrategy",
+    "empty_weights",
+    "materialize",
+    "name_seed",
+]
 __version__ = "0.1.0"
 
 if "pipeline" not in StrategyRegistry:

@@ -4,19 +4,27 @@ Parameter counts miss what dominates a step: a vocabulary head is cheap in param
 logits and loss, attention grows with the sequence. So at the first batch every rank runs one real
 micro-batch forward and backward through its whole (not yet split) module, timestamps each layer
 with hooks, and the ranks average their timings so that all of them choose the same split.
+
+A module that must not be run whole (built on meta, or whose stages are meant for an accelerator)
+is costed in FLOPs instead: the same forward and backward on meta tensors, the same hooks, with a
+FLOP counter as the clock. That needs no weights, no real inputs and no memory, and it is identical
+on every rank; it misses memory-bound work (norms, softmax), which timing one layer at a time would
+see, but timing needs each layer's real weights and inputs in turn.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pp.partition import Costs
 
@@ -42,22 +50,15 @@ def profile_costs(
     """
     device = next(module.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    grads = {p: p.grad for p in module.parameters()}
-    buffers = {b: b.detach().clone() for b in module.buffers()}
-    devices = [device.index or 0] if device.type == "cuda" else []
-    runs = []
-    try:
-        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
-            # validation may come first: its batch is an inference tensor, which autograd cannot save
-            args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-            for _ in range(repeats + 1):
-                runs.append(_timed_run(layers, lambda: forward(*args, **kwargs), sync))
-    finally:
-        for p, g in grads.items():
-            p.grad = g
-        with torch.no_grad():
-            for b, saved in buffers.items():
-                b.copy_(saved)
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    with _untouched(module, device):
+        # validation may come first: its batch is an inference tensor, which autograd cannot save
+        args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
+        runs = [_timed_run(layers, lambda: forward(*args, **kwargs), now) for _ in range(repeats + 1)]
     measured = runs[1:]
     return Costs(
         [statistics.median(r.layers[i] for r in measured) for i in range(len(layers))],
@@ -66,14 +67,37 @@ def profile_costs(
     )
 
 
-def _timed_run(layers: nn.ModuleDict, run_forward: Callable[[], Any], sync: Callable[[], None]) -> Costs:
+def count_flops(
+    module: nn.Module, layers: nn.ModuleDict, forward: Callable[..., Any], args: tuple, kwargs: dict
+) -> Costs:
+    """FLOPs of forward plus backward per layer and of the parts before and after them, for a module
+    (and inputs) on the meta device."""
+    with _untouched(module, torch.device("meta")), FlopCounterMode(display=False) as counter:
+        return _timed_run(layers, lambda: forward(*args, **kwargs), lambda: float(counter.get_total_flops()))
+
+
+@contextlib.contextmanager
+def _untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """Gradients, buffers (running statistics) and the random state as they were before the block."""
+    grads = {p: p.grad for p in module.parameters()}
+    buffers = {b: b.detach().clone() for b in module.buffers()}
+    devices = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad():
+            yield
+    finally:
+        for p, g in grads.items():
+            p.grad = g
+        with torch.no_grad():
+            for b, saved in buffers.items():
+                b.copy_(saved)
+
+
+def _timed_run(layers: nn.ModuleDict, run_forward: Callable[[], Any], now: Callable[[], float]) -> Costs:
+    """Costs of one forward and backward, read off the clock ``now`` (seconds, or FLOPs counted so far)."""
     n = len(layers)
     starts, ends = [0.0] * n, [0.0] * n
     grad_at: list[float | None] = [None] * n  # when backward reached each layer's output
-
-    def now() -> float:
-        sync()
-        return time.perf_counter()
 
     def on_start(i: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
@@ -128,11 +152,12 @@ def agree(costs: Costs, device: torch.device) -> Costs:
     return Costs(values[:-2], values[-2], values[-1])
 
 
-def describe_costs(costs: Costs, counts: list[int]) -> str:
+def describe_costs(costs: Costs, counts: list[int], flops: bool = False) -> str:
     """The costs and the split they chose, for rank 0's log."""
-    ms = ", ".join(f"{1e3 * c:.1f}" for c in costs.layers)
-    stages = ", ".join(f"{1e3 * c:.1f}" for c in costs.of_stages(counts))
+    scale, unit = (1e-9, "GFLOP, counted on meta") if flops else (1e3, "ms")
+    layers = ", ".join(f"{scale * c:.3g}" for c in costs.layers)
+    stages = ", ".join(f"{scale * c:.3g}" for c in costs.of_stages(counts))
     return (
-        f"Profiled forward+backward per micro-batch (ms): before the layers {1e3 * costs.first:.1f},"
-        f" layers [{ms}], after the layers {1e3 * costs.last:.1f}; split {counts} costs [{stages}] per stage."
+        f"Profiled forward+backward per micro-batch ({unit}): before the layers {scale * costs.first:.3g},"
+        f" layers [{layers}], after the layers {scale * costs.last:.3g}; split {counts} costs [{stages}] per stage."
     )

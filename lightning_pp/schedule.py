@@ -20,6 +20,7 @@ from torch.distributed.pipelining.schedules import (
     _PipelineSchedule,
     _PipelineScheduleRuntime,
 )
+from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
 
@@ -155,6 +156,41 @@ def check_batch_size(batch_size: int, n_microbatches: int, where: str = "A batch
             f" parts. Use a batch size that is a multiple of {n_microbatches}, pass drop_last=True to the"
             f" DataLoader, or choose an n_microbatches that divides {batch_size}."
         )
+
+
+def check_loaders(
+    kind: str,
+    loaders: Any,
+    limits: list[int | float],
+    n_microbatches: int | None,
+    schedule: str,
+    pp: int,
+    n_stages: int,
+) -> None:
+    """Report batches that cannot be split, before any rank starts the schedule (where a loader's length is known)."""
+
+    def check_split(size: int, where: str) -> None:
+        if n_microbatches is not None:
+            check_batch_size(size, n_microbatches, where)
+            return
+        try:
+            default_microbatches(size, schedule, pp, n_stages)
+        except PipelineConfigError as error:
+            raise PipelineConfigError(f"{where}: {error}") from None
+
+    for i, loader in enumerate(tree_flatten(loaders)[0]):
+        size = getattr(loader, "batch_size", None)
+        if not isinstance(size, int):
+            continue
+        check_split(size, f"The {kind} DataLoader's batch_size={size}")
+        try:
+            samples = len(loader.sampler)
+        except TypeError:
+            continue
+        last = samples % size
+        reached = i >= len(limits) or limits[i] >= -(-samples // size)
+        if last and reached and not getattr(loader, "drop_last", False):
+            check_split(last, f"The last {kind} batch ({samples} samples, batch_size={size})")
 
 
 def build_schedule(name: str, stages: list[Any], n_microbatches: int, loss_fn: Any, train: bool) -> _PipelineSchedule:

@@ -8,7 +8,8 @@ layers is learned by watching one real forward, not guessed from attribute order
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -313,6 +314,24 @@ def _shallow(module: nn.Module) -> nn.Module:
     for slot in ("_modules", "_parameters", "_buffers"):
         copy.__dict__[slot] = type(module.__dict__[slot])(module.__dict__[slot])
     return copy
+
+
+def guard_forwards(module: nn.Module, placement: Placement, stages: list[int], entries: Iterable[nn.Module]) -> None:
+    """After pruning, calling the model outside the pipeline must fail loudly, not compute garbage."""
+    layers = [key for stage in stages for key in placement.layers_of(stage)]
+    held = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages}"
+    for entry in entries:
+        message = (
+            f"This {type(entry).__name__} holds only pipeline {held} of {placement.n_stages} (layers {layers} of"
+            f" '{placement.layers_path}'); the other parts are None on this rank. Load a checkpoint into a fresh"
+            f" module on one process instead, e.g."
+            f" {type(module).__name__}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."
+        )
+        entry.forward = functools.partial(_refuse, message)  # type: ignore[method-assign]
+
+
+def _refuse(message: str, *_: Any, **__: Any) -> Any:
+    raise RuntimeError(message)
 
 
 def get_path(module: nn.Module, dotted: str) -> Any:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import functools
+import contextlib
 import os
 import shutil
+from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -19,7 +20,6 @@ from lightning.fabric.utilities.distributed import (
     _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
@@ -31,8 +31,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
-from torch.utils._pytree import tree_flatten
+from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from typing_extensions import override
 
@@ -41,9 +40,7 @@ from lightning_pp.checkpoint import (
     fault_point,
     gather_model_state,
     gather_optimizer_state,
-    is_sharded,
     keep_local_parameters,
-    load_sharded,
     optimizer_state_by_name,
     partial_path,
     replace_atomically,
@@ -52,29 +49,23 @@ from lightning_pp.checkpoint import (
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
+from lightning_pp.materialize import InitFn, check_initializers, empty_weights, materialize
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
 from lightning_pp.metrics import load_states, sync_metrics_over
-from lightning_pp.microbatch import batch_size_of, capture_model_call, merge_microbatches, split_batch
+from lightning_pp.microbatch import batch_size_of, merge_microbatches
 from lightning_pp.partition import Balance, check_balance_mode, resolve_balance
-from lightning_pp.profiling import agree, describe_costs, profile_costs
+from lightning_pp.planning import learn_placement
 from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.relay import ReportRelay, replay
+from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint, restore_stage
 from lightning_pp.schedule import (
-    check_batch_size,
+    check_loaders,
     check_microbatches,
     default_microbatches,
     normalize_schedule,
     resolve_stages_per_rank,
 )
-from lightning_pp.stage import (
-    Placement,
-    find_layers,
-    model_entries,
-    plan_placement,
-    prune_to_stages,
-    stage_view,
-    trace_forward,
-)
+from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
 from lightning_pp.step import LocalStage, PipelineRunner
 from lightning_pp.telemetry import Event
 
@@ -87,6 +78,12 @@ class PipelineStrategy(ParallelStrategy):
     1F1B, ``stages_per_rank`` stages under torch's multi-stage schedules (loop or V placement).
     The user's own step methods compute the loss and log on the last stage, once per micro-batch;
     what they log reaches every rank as one process would have logged it.
+
+    A model larger than one device is built with its parameters on meta, under
+    ``trainer.init_module()`` or in ``configure_model``; each rank then materialises only its own
+    stage on its device, initialised by the name rule (see :func:`lightning_pp.materialize`, and
+    ``init_fn`` for modules without ``reset_parameters``), and reads only its own tensors when
+    resuming. An eagerly built module is pruned to the rank's stage before it is moved to the device.
     """
 
     strategy_name = "pipeline"
@@ -101,6 +98,7 @@ class PipelineStrategy(ParallelStrategy):
         stages_per_rank: Optional[int] = None,
         activation_checkpointing: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
+        init_fn: Optional[InitFn] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
         **kwargs: Any,
@@ -123,6 +121,7 @@ class PipelineStrategy(ParallelStrategy):
         self.stages_per_rank = resolve_stages_per_rank(self.schedule, stages_per_rank)
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
+        self.init_fn = init_fn
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
         self._timeout: timedelta = timeout or default_pg_timeout
@@ -134,6 +133,7 @@ class PipelineStrategy(ParallelStrategy):
         self._state_keys: list[str] = []
         self._optimizer_layouts: list[OptimizerLayout] = []
         self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
+        self._pending: Optional[PendingRestore] = None
         self._replace_random_samplers = False
         self._groups = Groups(pp=None, dp=None)
         self._fitting = False
@@ -217,6 +217,7 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None and self.accelerator is not None
         if self._placement is None:
             check_module(module, self.layers, self.balance, self.n_stages)
+        check_initializers(module, self.init_fn)
         check_training_setup(module, self.precision_plugin, self.schedule, self.n_microbatches, self.layout)
         if self.layout.dp == 1:
             # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
@@ -225,7 +226,6 @@ class PipelineStrategy(ParallelStrategy):
             trainer._accelerator_connector.use_distributed_sampler = False
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
-        self.model_to_device()
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         if self._fitting:
             if self._pruned:
@@ -237,13 +237,19 @@ class PipelineStrategy(ParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         clip_by_global_norm(self.precision_plugin, self._groups.pp)
-        if self._fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
 
     @override
     def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
+        """Nothing moves whole: at the first batch each rank moves (or materialises) only its own stage."""
+
+    @override
+    @contextlib.contextmanager
+    def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
+        """``trainer.init_module()`` and ``configure_model``: parameters on meta unless ``empty_init=False``,
+        which builds on the CPU (never the accelerator: the module is pruned before it is moved)."""
+        building = empty_weights() if empty_init is not False else torch.device("cpu")
+        with building, self.precision_plugin.tensor_init_context():
+            yield
 
     # ------------------------------------------------------------------ the pipelined steps
     @override
@@ -347,41 +353,18 @@ class PipelineStrategy(ParallelStrategy):
         return self.n_microbatches or default_microbatches(batch_size, self.schedule, self.layout.pp, self.n_stages)
 
     def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
-        """At the first batch: learn the module's structure from one forward, then prune to this stage."""
+        """At the first batch: learn the module's structure, then hold, materialise and restore this rank's stages."""
         if self._runner is not None:
             return self._runner
         module = self.lightning_module
         if self._placement is None:
-            first = split_batch(args[0], self.microbatches_for(batch_size_of(args[0])))[0]
-            entries = model_entries(module, self.layers)
-            call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
-            model = entries[call.entry]
-            forward = functools.partial(type(model).forward, model)
-            trace = trace_forward(module, self.layers, lambda: forward(*call.args, **call.kwargs))
-            costs = None
-            if isinstance(self.balance, str) and self.balance.lower() == "profile":
-                layers = find_layers(module, self.layers)
-                costs = agree(profile_costs(module, layers, forward, call.args, call.kwargs), self.root_device)
-            self._placement = plan_placement(module, self.layers, self.n_stages, self.balance, trace, costs)
-            rank_zero_info(self._placement.describe(module))
-            if costs is not None:
-                rank_zero_info(describe_costs(costs, list(self._placement.counts)))
+            m = self.microbatches_for(batch_size_of(args[0]))
+            self._placement = learn_placement(
+                module, self.layers, self.n_stages, self.balance, hook, args, kwargs, m, self.root_device
+            )
         sync_metrics_over(module, self._groups.dp)
         placement, stages = self._placement, self.layout.stages
-        local = module
-        if self._fitting and not self._pruned:
-            # training frees what other stages own: their parameters, gradients and optimizer state
-            self._state_keys = list(module.state_dict().keys())
-            names = {id(p): n for n, p in module.named_parameters()}
-            prune_to_stages(module, placement, stages)
-            for entry in model_entries(module, self.layers).values():
-                _guard_forward(entry, placement, stages, type(module).__name__)
-            self._keep_local_parameters(names)
-            self._pruned = True
-            if self.activation_checkpointing:
-                checkpoint_layers(find_layers(module, self.layers))
-        elif not self._pruned:
-            local = stage_view(module, placement, stages)
+        local = self._local_stages()
         views = [LocalStage(s, stage_view(local, placement, [s]), placement.absent_on(s)) for s in stages]
         self._runner = PipelineRunner(
             local,
@@ -402,9 +385,29 @@ class PipelineStrategy(ParallelStrategy):
         )
         return self._runner
 
-    def _keep_local_parameters(self, names: dict[int, str]) -> None:
-        local = {id(p) for p in self.lightning_module.parameters()}
-        self._optimizer_layouts = [keep_local_parameters(_unwrap(opt), local, names) for opt in self.optimizers]
+    def _local_stages(self) -> nn.Module:
+        """This rank's stages on its device: pruned for training (the rest is freed), a view otherwise (a
+        later fit still sees the whole module); then the checkpoint being restored, if any."""
+        module, placement, stages = self.lightning_module, self._placement, self.layout.stages
+        assert placement is not None
+        if self._fitting and not self._pruned:
+            self._state_keys = list(module.state_dict().keys())
+            names = {id(p): n for n, p in module.named_parameters()}
+            prune_to_stages(module, placement, stages)
+            guard_forwards(module, placement, stages, model_entries(module, self.layers).values())
+            local_ids = {id(p) for p in module.parameters()}
+            self._optimizer_layouts = [keep_local_parameters(_unwrap(o), local_ids, names) for o in self.optimizers]
+            self._pruned = True
+            if self.activation_checkpointing:
+                checkpoint_layers(find_layers(module, self.layers))
+        local = module if self._pruned else stage_view(module, placement, stages)
+        materialize(local, self.root_device, init_fn=self.init_fn)
+        if self._pending is not None:
+            optimizers = [_unwrap(o) for o in self.optimizers] if self._pending.optimizers is not None else []
+            copied = restore_stage(self._pending, local, optimizers, self._optimizer_layouts)
+            self._pending = None
+            rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
+        return local
 
     # ------------------------------------------------------------------ data
     @override
@@ -438,29 +441,8 @@ class PipelineStrategy(ParallelStrategy):
         self._check_loaders("test", trainer.test_dataloaders, trainer.num_test_batches)
 
     def _check_loaders(self, kind: str, loaders: Any, limits: list[Union[int, float]]) -> None:
-        """Report batches that cannot be split before any rank starts the schedule."""
-        for i, loader in enumerate(tree_flatten(loaders)[0]):
-            size = getattr(loader, "batch_size", None)
-            if not isinstance(size, int):
-                continue
-            self._check_split(size, f"The {kind} DataLoader's batch_size={size}")
-            try:
-                samples = len(loader.sampler)
-            except TypeError:
-                continue
-            last = samples % size
-            reached = i >= len(limits) or limits[i] >= -(-samples // size)
-            if last and reached and not getattr(loader, "drop_last", False):
-                self._check_split(last, f"The last {kind} batch ({samples} samples, batch_size={size})")
-
-    def _check_split(self, size: int, where: str) -> None:
-        if self.n_microbatches is not None:
-            check_batch_size(size, self.n_microbatches, where)
-            return
-        try:
-            default_microbatches(size, self.schedule, self.layout.pp, self.n_stages)
-        except PipelineConfigError as error:
-            raise PipelineConfigError(f"{where}: {error}") from None
+        layout = self.layout
+        check_loaders(kind, loaders, limits, self.n_microbatches, self.schedule, layout.pp, layout.n_stages)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -533,11 +515,23 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Either format, from any layout: both are read into the one-process layout."""
-        path = Path(checkpoint_path)
-        if is_sharded(path):
-            return load_sharded(path)
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        """Either format, from any layout, without reading its tensors: each rank reads its own at the first batch."""
+        checkpoint, self._pending = open_checkpoint(Path(checkpoint_path), weights_only)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        """Checked against the whole module now; loaded into this rank's stage once it exists."""
+        assert self._pending is not None
+        local = self.lightning_module.state_dict()
+        expected = {k: local.get(k) for k in self._state_keys} if self._pruned else local
+        check_state_keys(expected, checkpoint["state_dict"], strict, self._pending.path)
+        self._pending.model, self._pending.strict = checkpoint["state_dict"], strict
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        assert self._pending is not None
+        self._pending.optimizers = checkpoint["optimizer_states"]
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
@@ -565,7 +559,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None and self.accelerator is not None
         if self._relay is not None:
             self._relay.flush()
-        self._runner = self._relay = None
+        self._runner = self._relay = self._pending = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
@@ -606,19 +600,3 @@ def check_training_setup(
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
-
-
-def _guard_forward(module: torch.nn.Module, placement: Placement, stages: list[int], owner: str) -> None:
-    """After pruning, calling the module outside the pipeline must fail loudly, not compute garbage."""
-    layers = [key for stage in stages for key in placement.layers_of(stage)]
-    held = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages}"
-
-    def pruned_forward(*_: Any, **__: Any) -> Any:
-        raise RuntimeError(
-            f"This {type(module).__name__} holds only pipeline {held} of {placement.n_stages} (layers"
-            f" {layers} of '{placement.layers_path}'); the other parts are None on this rank."
-            f" Load a checkpoint into a fresh module on one process instead, e.g."
-            f" {owner}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."
-        )
-
-    module.forward = pruned_forward  # type: ignore[method-assign]

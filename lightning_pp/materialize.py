@@ -1,0 +1,211 @@
+"""Models larger than one device: build on meta, trace on meta, materialise only a rank's own stage.
+
+Parameters are created on the meta device (no memory) while buffers stay real: a causal mask or a
+RoPE table computed in ``__init__`` cannot be recomputed later, and buffers are small. A rank then
+materialises the parameters of its own stage directly on its device and initialises them by the
+*name rule*: each module that owns meta tensors runs its initialiser under an RNG seeded from the
+global seed and the module's qualified name. The initial weights therefore do not depend on the
+stage count, the schedule, the stages per rank or the replica count, and one process gets the same
+weights with :func:`materialize`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from lightning_pp.errors import PipelineConfigError
+
+InitFn = Callable[[nn.Module, str], None]
+
+_INIT_METHODS = ("reset_parameters", "_reset_parameters")
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """Build modules with their parameters on the meta device and their buffers real.
+
+    ``trainer.init_module()`` and ``configure_model`` use it under ``PipelineStrategy``; use it
+    yourself with :func:`materialize` for a one-process run with the pipeline's initial weights.
+    A parameter is allocated on the default device only for the moment it is registered (untouched
+    pages for ``torch.empty``), so the whole model never occupies memory.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            attributes = {**param.__dict__, "requires_grad": param.requires_grad}
+            module._parameters[name] = type(param)(param.to("meta"), **attributes)
+
+    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def global_seed() -> int:
+    """The seed of ``lightning.seed_everything`` (0 if none was set): every rank must agree on it."""
+    return int(os.environ.get("PL_GLOBAL_SEED", 0))
+
+
+def name_seed(seed: int, name: str) -> int:
+    """The RNG seed of the module called ``name``: independent of which other modules a rank holds."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.is_meta for t in _own_tensors(module, recurse=True))
+
+
+def _own_tensors(module: nn.Module, recurse: bool = False) -> Iterator[torch.Tensor]:
+    yield from module.parameters(recurse=recurse)
+    yield from (b for b in module.buffers(recurse=recurse) if b is not None)
+
+
+def _meta_owners(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Modules that own meta parameters or buffers, every module after all of its descendants.
+
+    Children first, as in eager construction: a parent's initialiser may adjust its children's
+    tensors (``nn.MultiheadAttention`` zeroes ``out_proj.bias`` after the Linear's own init).
+    """
+    owners = [(name, m) for name, m in module.named_modules() if any(t.is_meta for t in _own_tensors(m))]
+    return owners[::-1]
+
+
+def check_initializers(module: nn.Module, init_fn: InitFn | None = None) -> None:
+    """Every module with meta tensors must have an initialiser; checked on the whole module on every rank."""
+    _check_metrics(module)
+    if init_fn is not None:
+        return
+    missing = [
+        f"'{name or '<root>'}' ({type(m).__name__}: {sorted(n for n, t in _named_own(m) if t.is_meta)})"
+        for name, m in _meta_owners(module)
+        if not any(callable(getattr(m, method, None)) for method in _INIT_METHODS)
+    ]
+    if missing:
+        raise PipelineConfigError(
+            f"{type(module).__name__} was built on the meta device, but these modules own meta parameters or"
+            f" buffers and have no initialiser: {', '.join(missing)}. Give each a `reset_parameters(self)` that"
+            " initialises its own tensors, or pass PipelineStrategy(init_fn=fn) where fn(module, name) initialises"
+            " any module's own tensors."
+        )
+
+
+def _named_own(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from module.named_parameters(recurse=False)
+    yield from ((n, b) for n, b in module.named_buffers(recurse=False) if b is not None)
+
+
+def _check_metrics(module: nn.Module) -> None:
+    try:
+        from torchmetrics import Metric
+    except ImportError:  # pragma: no cover - torchmetrics is a dependency
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, Metric) and any(
+            isinstance(v, torch.Tensor) and v.is_meta for v in (getattr(m, s) for s in m._defaults)
+        ):
+            raise PipelineConfigError(
+                f"The torchmetrics object '{name}' ({type(m).__name__}) has its state on the meta device, where it"
+                " would compute garbage. Create metrics outside `with torch.device('meta')`: under"
+                " trainer.init_module() and configure_model the strategy keeps them real by itself."
+            )
+
+
+def materialize(
+    module: nn.Module,
+    device: torch.device | str = "cpu",
+    seed: int | None = None,
+    init_fn: InitFn | None = None,
+) -> nn.Module:
+    """Allocate ``module``'s meta tensors on ``device`` and initialise them by the name rule; move the rest.
+
+    Each module owning meta tensors runs ``init_fn(module, name)`` if given, else its own
+    ``reset_parameters()`` (or ``_reset_parameters()``), under ``torch.manual_seed(name_seed(seed,
+    name))`` with the global RNG left untouched. ``name`` is the module's qualified name in the whole
+    model, so a pruned pipeline stage gets exactly the tensors the whole model gets on one process.
+    Parameter objects keep their identity (ties, optimizers built earlier and hooks stay valid).
+    """
+    device = torch.device(device)
+    seed = global_seed() if seed is None else seed
+    owners = _meta_owners(module)
+    if owners:
+        check_initializers(module, init_fn)
+    with _swapping_parameters():
+        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda), torch.no_grad():
+        for name, owner in owners:
+            torch.manual_seed(name_seed(seed, name))
+            if init_fn is not None:
+                init_fn(owner, name)
+            else:
+                next(getattr(owner, m) for m in _INIT_METHODS if callable(getattr(owner, m, None)))()
+    return module
+
+
+@contextlib.contextmanager
+def _swapping_parameters() -> Iterator[None]:
+    """``module._apply`` swaps tensors into the existing Parameter objects instead of replacing them."""
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        yield
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+@contextlib.contextmanager
+def on_meta(module: nn.Module) -> Iterator[Callable[[Any], Any]]:
+    """Run code on ``module`` with every tensor on meta: its real parameters and buffers for the duration
+    of the block, new tensors by default, and inputs through the returned converter.
+
+    A real tensor must never meet a meta weight: ``F.linear(cpu_x, meta_w)`` returns uninitialised CPU
+    memory instead of failing. A forward that needs values (``.item()``, boolean masks,
+    data-dependent shapes) fails here with the module and operation named.
+    """
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    stand_ins: dict[int, torch.Tensor] = {}  # one per tensor, so that tied parameters stay tied
+    for m in module.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in slots.items():
+                if t is not None and not t.is_meta:
+                    if id(t) not in stand_ins:
+                        meta = t.to("meta")
+                        stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+                    saved.append((slots, name, t))
+                    slots[name] = stand_ins[id(t)]
+    calls: list[str] = []
+    names = {id(m): name for name, m in module.named_modules()}
+    handle = nn.modules.module.register_module_forward_pre_hook(
+        lambda m, _: calls.append(names.get(id(m), type(m).__name__))
+    )
+    try:
+        with torch.device("meta"):
+            yield lambda tree: tree_map_only(torch.Tensor, lambda t: t.to("meta"), tree)
+    except PipelineConfigError:
+        raise
+    except Exception as error:
+        where = f"in '{calls[-1] or '<root>'}'" if calls else "before any submodule ran"
+        raise PipelineConfigError(
+            f"The forward of {type(module).__name__}, built on the meta device, cannot run without data ({where}:"
+            f" {type(error).__name__}: {error}). The strategy learns where each part runs from a forward on"
+            " meta tensors. Keep value-dependent code (.item(), bool(tensor), boolean-mask indexing,"
+            " nonzero/unique, data-dependent shapes) out of forward, e.g. compute it in the step or the"
+            " DataLoader and pass the result in; or build the module eagerly (outside trainer.init_module()"
+            " and configure_model)."
+        ) from error
+    finally:
+        handle.remove()
+        for slots, name, t in saved:
+            slots[name] = t

@@ -1,0 +1,61 @@
+"""The placement of every part, learned at the first batch from one forward on meta tensors.
+
+The user's step runs up to its model call on the first micro-batch; that call then runs on the meta
+device (parameters and buffers swapped to meta for the duration), so learning the structure costs
+no memory and no compute whether the module was built on meta or eagerly, and a forward that
+needs data fails here, on every rank, before any collective.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_pp.materialize import has_meta_tensors, on_meta
+from lightning_pp.microbatch import capture_model_call, split_batch
+from lightning_pp.partition import Balance
+from lightning_pp.profiling import agree, count_flops, describe_costs, profile_costs
+from lightning_pp.stage import Placement, find_layers, model_entries, plan_placement, trace_forward
+
+
+def learn_placement(
+    module: LightningModule,
+    layers: str,
+    n_stages: int,
+    balance: Balance,
+    hook: str,
+    args: tuple,
+    kwargs: dict,
+    n_microbatches: int,
+    device: torch.device,
+) -> Placement:
+    """Where each layer and part lives, the same on every rank; logged on rank 0."""
+    first = split_batch(args[0], n_microbatches)[0]
+    entries = model_entries(module, layers)
+    call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
+    model = entries[call.entry]
+    forward = functools.partial(type(model).forward, model)
+
+    def on_meta_inputs(run: Any) -> Any:
+        with on_meta(module) as to_meta:
+            return run(*to_meta((call.args, call.kwargs)))
+
+    trace = on_meta_inputs(lambda a, kw: trace_forward(module, layers, lambda: forward(*a, **kw)))
+    costs, flops = None, False
+    if isinstance(balance, str) and balance.lower() == "profile":
+        blocks = find_layers(module, layers)
+        # time only what may run whole: a real module on the CPU; anything else is costed in FLOPs
+        flops = has_meta_tensors(module) or device.type != "cpu"
+        if flops:
+            costs = on_meta_inputs(lambda a, kw: count_flops(module, blocks, forward, a, kw))
+        else:
+            costs = agree(profile_costs(module, blocks, forward, call.args, call.kwargs), device)
+    placement = plan_placement(module, layers, n_stages, balance, trace, costs)
+    rank_zero_info(placement.describe(module))
+    if costs is not None:
+        rank_zero_info(describe_costs(costs, list(placement.counts), flops=flops))
+    return placement

@@ -1,0 +1,180 @@
+"""Resuming reads only this rank's tensors, from either checkpoint format, whatever layout wrote it.
+
+Lightning restores a checkpoint before the strategy's ``setup``, but a stage exists only from the
+first batch (placement is learned from it), and a load into meta tensors silently does nothing. So
+opening a checkpoint reads no tensor: a full ``.ckpt`` is memory-mapped, a sharded one contributes
+its small ``meta.pt`` and meta-device placeholders (names, shapes, dtypes) from its metadata. Once
+the rank's stage is materialised, :func:`restore_stage` copies exactly its own weights and optimizer
+state: the pages of a mapped file it touches, the byte ranges of a sharded one it asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from lightning_pp.checkpoint import META_FILE, OptimizerLayout, is_sharded, one_process_optimizer_state
+from lightning_pp.errors import PipelineConfigError
+
+
+@dataclass
+class PendingRestore:
+    """A checkpoint opened without reading its tensors, and what Lightning asked to restore from it."""
+
+    path: Path
+    sharded: bool
+    model: Mapping[str, torch.Tensor] | None = None
+    strict: bool = True
+    optimizers: list[dict[str, Any]] | None = None
+    # sharded: one-process parameter names of each optimizer's groups (the checkpoint keys them by name)
+    names: list[list[list[str]]] | None = None
+
+
+def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[str, Any], PendingRestore]:
+    """The checkpoint dict Lightning restores loops, callbacks and schedulers from; tensors stay on disk."""
+    if is_sharded(path):
+        checkpoint = torch.load(path / META_FILE, weights_only=False)
+        groups = checkpoint.pop("optimizer_param_groups")
+        model, optimizers = _placeholders(path)
+        checkpoint["state_dict"] = model
+        checkpoint["optimizer_states"] = [
+            one_process_optimizer_state({"state": optimizers.get(str(i), {}), "param_groups": g})
+            for i, g in enumerate(groups)
+        ]
+        names = [[list(group["params"]) for group in g] for g in groups]
+        return checkpoint, PendingRestore(path, sharded=True, names=names)
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    return checkpoint, PendingRestore(path, sharded=False)
+
+
+def _placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
+    """Meta tensors in the shape of a sharded checkpoint's weights and optimizer state (read from its metadata)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(path).read_metadata()
+    model: dict[str, torch.Tensor] = {}
+    optimizers: dict[str, dict[str, dict[str, Any]]] = {}
+    for key, entry in metadata.state_dict_metadata.items():
+        where = metadata.planner_data[key]
+        value: Any = (
+            torch.empty(entry.size, dtype=entry.properties.dtype, device="meta")
+            if isinstance(entry, TensorStorageMetadata)
+            else None  # a non-tensor value (read when asked for)
+        )
+        if where[0] == "model":
+            model[where[1]] = value
+        elif where[0] == "optimizers" and where[2] == "state":
+            optimizers.setdefault(where[1], {}).setdefault(where[3], {})[where[4]] = value
+    return model, optimizers
+
+
+def check_state_keys(
+    expected: Mapping[str, torch.Tensor | None], found: Mapping[str, Any], strict: bool, path: Path
+) -> None:
+    """Names (and shapes, where known here) against the whole module's, so that every rank fails alike
+    before any collective."""
+    mismatched = [
+        f"{k}: checkpoint {tuple(found[k].shape)}, module {tuple(v.shape)}"
+        for k, v in expected.items()
+        if v is not None and isinstance(found.get(k), torch.Tensor) and tuple(found[k].shape) != tuple(v.shape)
+    ]
+    missing = [k for k in expected if k not in found] if strict else []
+    unexpected = [k for k in found if k not in expected] if strict else []
+    if mismatched or missing or unexpected:
+        raise PipelineConfigError(
+            f"The checkpoint {path} does not fit the module: missing keys {missing}, unexpected keys {unexpected},"
+            f" shape mismatches {mismatched}. Resume with the module that wrote it (same configuration)."
+        )
+
+
+def restore_stage(
+    pending: PendingRestore,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    layouts: list[OptimizerLayout],
+) -> int:
+    """Load this rank's weights (and optimizer state, if asked) into its materialised stage.
+
+    Returns the bytes of tensors copied out of the checkpoint.
+    """
+    local = module.state_dict(keep_vars=True)
+    wanted_model = [k for k in local if pending.model is not None and k in pending.model]
+    wanted_state: list[dict[int, tuple[int, dict[str, Any]]]] = []  # per optimizer: local index -> global, entry
+    if pending.optimizers is not None:
+        for states, layout in zip(pending.optimizers, layouts):
+            _check_groups(states, layout, pending.path)
+            kept = [i for group in layout.kept for i in group]
+            wanted_state.append({j: (i, states["state"][i]) for j, i in enumerate(kept) if i in states["state"]})
+    if pending.sharded:
+        weights, states = _read_sharded(pending, local, wanted_model, wanted_state)
+    else:
+        assert pending.model is not None or not wanted_model
+        weights = {k: pending.model[k] for k in wanted_model}  # type: ignore[index]
+        states = [{j: tree_map_only(torch.Tensor, torch.clone, e) for j, (_, e) in w.items()} for w in wanted_state]
+    copied = sum(t.numel() * t.element_size() for t in weights.values())
+    if wanted_model and not pending.sharded:  # sharded weights were read in place into the stage's tensors
+        module.load_state_dict(weights, strict=False)
+    for optimizer, layout, state, source in zip(optimizers, layouts, states, pending.optimizers or []):
+        copied += sum(t.numel() * t.element_size() for e in state.values() for t in e.values() if torch.is_tensor(t))
+        optimizer.load_state_dict({"state": state, "param_groups": _local_groups(source, layout)})
+    return copied
+
+
+def _read_sharded(
+    pending: PendingRestore,
+    local: Mapping[str, torch.Tensor],
+    wanted_model: list[str],
+    wanted_state: list[dict[int, tuple[int, dict[str, Any]]]],
+) -> tuple[dict[str, torch.Tensor], list[dict[int, dict[str, Any]]]]:
+    """Ask torch.distributed.checkpoint for this rank's entries only; weights land in the stage's tensors."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    assert pending.names is not None
+    weights = {k: local[k].detach() for k in wanted_model}
+    states: list[dict[int, dict[str, Any]]] = []
+    request: dict[str, Any] = {"model": weights, "optimizers": {}}
+    for o, wanted in enumerate(wanted_state):
+        names = [n for group in pending.names[o] for n in group]
+        by_name = {
+            names[i]: {k: torch.empty_like(v, device="cpu") if torch.is_tensor(v) else v for k, v in entry.items()}
+            for i, entry in wanted.values()
+        }
+        request["optimizers"][str(o)] = {"state": by_name}
+        states.append({j: by_name[names[i]] for j, (i, _) in wanted.items()})
+    with torch.no_grad():
+        dcp.load(request, storage_reader=FileSystemReader(pending.path), planner=DefaultLoadPlanner(), no_dist=True)
+    # non-tensor values are replaced in the request's dicts: read them back from there
+    for o, wanted in enumerate(wanted_state):
+        names = [n for group in pending.names[o] for n in group]
+        states[o] = {j: request["optimizers"][str(o)]["state"][names[i]] for j, (i, _) in wanted.items()}
+    return weights, states
+
+
+def _check_groups(states: dict[str, Any], layout: OptimizerLayout, path: Path) -> None:
+    found = [len(g["params"]) for g in states["param_groups"]]
+    expected = [len(g) for g in layout.groups]
+    if found != expected:
+        raise PipelineConfigError(
+            f"The optimizer state in {path} has parameter groups of sizes {found}, but configure_optimizers built"
+            f" {expected}. Resume with the same configure_optimizers as the run that wrote the checkpoint."
+        )
+
+
+def _local_groups(source: dict[str, Any], layout: OptimizerLayout) -> list[dict[str, Any]]:
+    """The checkpoint's group settings (lr, betas, ...) over this rank's parameters, numbered locally."""
+    groups, start = [], 0
+    for group, kept in zip(source["param_groups"], layout.kept):
+        groups.append(
+            {**{k: v for k, v in group.items() if k != "params"}, "params": list(range(start, start + len(kept)))}
+        )
+        start += len(kept)
+    return groups
