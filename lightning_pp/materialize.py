@@ -101,6 +101,18 @@ def check_initializers(module: nn.Module, init_fn: InitFn | None = None) -> None
         )
 
 
+def check_materialized(module: nn.Module) -> None:
+    """A checkpoint of meta tensors would hold no weights: refuse it (on every rank alike) instead."""
+    meta = [n for n, t in module.state_dict(keep_vars=True).items() if t.is_meta]
+    if meta:
+        raise PipelineConfigError(
+            f"Cannot save {type(module).__name__}: {len(meta)} of its tensors ({meta[:3]}...) are still on the meta"
+            " device, because no batch has run since it was built on meta (a resumed run that was already"
+            " complete?). Each rank materialises its stage at the first batch; save after training at least one"
+            " batch, or keep the checkpoint you resumed from."
+        )
+
+
 def _named_own(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from module.named_parameters(recurse=False)
     yield from ((n, b) for n, b in module.named_buffers(recurse=False) if b is not None)
@@ -185,10 +197,18 @@ def on_meta(module: nn.Module) -> Iterator[Callable[[Any], Any]]:
                         stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
                     saved.append((slots, name, t))
                     slots[name] = stand_ins[id(t)]
-    calls: list[str] = []
+    running: list[str] = []  # the modules whose forward has started and not returned, innermost last
     names = {id(m): name for name, m in module.named_modules()}
-    handle = nn.modules.module.register_module_forward_pre_hook(
-        lambda m, _: calls.append(names.get(id(m), type(m).__name__))
+
+    def started(m: nn.Module, _: Any) -> None:
+        running.append(names.get(id(m), type(m).__name__))
+
+    def returned(*_: Any) -> None:  # a forward hook's return value would replace the output
+        running.pop()
+
+    hooks = (
+        nn.modules.module.register_module_forward_pre_hook(started),
+        nn.modules.module.register_module_forward_hook(returned),
     )
     try:
         with torch.device("meta"):
@@ -196,7 +216,7 @@ def on_meta(module: nn.Module) -> Iterator[Callable[[Any], Any]]:
     except PipelineConfigError:
         raise
     except Exception as error:
-        where = f"in '{calls[-1] or '<root>'}'" if calls else "before any submodule ran"
+        where = f"in '{running[-1]}'" if running else f"in {type(module).__name__}.forward itself"
         raise PipelineConfigError(
             f"The forward of {type(module).__name__}, built on the meta device, cannot run without data ({where}:"
             f" {type(error).__name__}: {error}). The strategy learns where each part runs from a forward on"
@@ -206,6 +226,7 @@ def on_meta(module: nn.Module) -> Iterator[Callable[[Any], Any]]:
             " and configure_model)."
         ) from error
     finally:
-        handle.remove()
+        for hook in hooks:
+            hook.remove()
         for slots, name, t in saved:
             slots[name] = t

@@ -2,8 +2,9 @@
 
 The user's step runs up to its model call on the first micro-batch; that call then runs on the meta
 device (parameters and buffers swapped to meta for the duration), so learning the structure costs
-no memory and no compute whether the module was built on meta or eagerly, and a forward that
-needs data fails here, on every rank, before any collective.
+no memory and no compute whether the module was built on meta or eagerly. A meta-built module whose
+forward needs data fails here, on every rank, before any collective; an eagerly built one is then
+traced for real on the CPU.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.utils._pytree import tree_map_only
 
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.materialize import has_meta_tensors, on_meta
 from lightning_pp.microbatch import capture_model_call, split_batch
 from lightning_pp.partition import Balance
@@ -44,7 +47,16 @@ def learn_placement(
         with on_meta(module) as to_meta:
             return run(*to_meta((call.args, call.kwargs)))
 
-    trace = on_meta_inputs(lambda a, kw: trace_forward(module, layers, lambda: forward(*a, **kw)))
+    try:
+        trace = on_meta_inputs(lambda a, kw: trace_forward(module, layers, lambda: forward(*a, **kw)))
+    except PipelineConfigError as error:
+        if has_meta_tensors(module):
+            raise
+        # an eagerly built module whose forward needs values (third-party code often checks its inputs) is
+        # traced for real, on the CPU where it stays until it is pruned
+        rank_zero_info(f"Tracing the forward with real tensors on the CPU instead: {error.__cause__}")
+        on_cpu = tree_map_only(torch.Tensor, lambda t: t.cpu(), (call.args, call.kwargs))
+        trace = trace_forward(module, layers, lambda: forward(*on_cpu[0], **on_cpu[1]))
     costs, flops = None, False
     if isinstance(balance, str) and balance.lower() == "profile":
         blocks = find_layers(module, layers)

@@ -107,11 +107,17 @@ def restore_stage(
     local = module.state_dict(keep_vars=True)
     wanted_model = [k for k in local if pending.model is not None and k in pending.model]
     wanted_state: list[dict[int, tuple[int, dict[str, Any]]]] = []  # per optimizer: local index -> global, entry
-    if pending.optimizers is not None:
-        for states, layout in zip(pending.optimizers, layouts):
-            _check_groups(states, layout, pending.path)
-            kept = [i for group in layout.kept for i in group]
-            wanted_state.append({j: (i, states["state"][i]) for j, i in enumerate(kept) if i in states["state"]})
+    for o, (states, layout) in enumerate(zip(pending.optimizers or [], layouts)):
+        _check_groups(states, layout, pending.path)
+        names = [n for group in layout.names for n in group]
+        # sharded checkpoints know each entry's parameter name: match by name, not by position
+        index = {n: k for k, n in enumerate(n for g in pending.names[o] for n in g)} if pending.names else None
+        wanted: dict[int, tuple[int, dict[str, Any]]] = {}
+        for j, i in enumerate(i for group in layout.kept for i in group):
+            k = i if index is None else index.get(names[i], -1)
+            if k in states["state"]:
+                wanted[j] = (k, states["state"][k])
+        wanted_state.append(wanted)
     if pending.sharded:
         weights, states = _read_sharded(pending, local, wanted_model, wanted_state)
     else:

@@ -49,7 +49,7 @@ from lightning_pp.checkpoint import (
 from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
-from lightning_pp.materialize import InitFn, check_initializers, empty_weights, materialize
+from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights, materialize
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
 from lightning_pp.metrics import load_states, sync_metrics_over
 from lightning_pp.microbatch import batch_size_of, merge_microbatches
@@ -257,7 +257,10 @@ class PipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         scale = 1.0 / (self.microbatches_for(batch_size_of(args[0])) * trainer.accumulate_grad_batches)
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        earlier = [p.grad for p in params]
+        # the first batch of an accumulation window: Lightning zeroes the earlier gradients before backward, so
+        # they are released now rather than held beside this step's (``on_before_zero_grad`` sees none)
+        released = len(args) > 1 and isinstance(args[1], int) and args[1] % trainer.accumulate_grad_batches == 0
+        earlier = [None if released else p.grad for p in params]
         for p in params:
             p.grad = None
         try:
@@ -490,6 +493,7 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        check_materialized(self.lightning_module)
         if not self._pruned or self.state_dict_type == "sharded":
             return super().lightning_module_state_dict()
         if self.layout.replica != 0:  # replicas are identical: replica 0 makes the file

@@ -43,7 +43,13 @@ class Job:
         return torch.load(self.out / name, weights_only=False)["state_dict"]
 
 
-def run_job(cfg: dict[str, Any], out: Path, timeout: float = 180, command: list[str] | None = None) -> Job:
+def run_job(
+    cfg: dict[str, Any],
+    out: Path,
+    timeout: float = 180,
+    command: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Job:
     """Run tests/job.py as a real multi-process Lightning job (its launcher starts the other ranks)."""
     cfg = {**cfg, "out": str(out)}
     command = command or [sys.executable, str(HERE / "job.py")]
@@ -51,7 +57,7 @@ def run_job(cfg: dict[str, Any], out: Path, timeout: float = 180, command: list[
     proc = subprocess.run(
         [*command, json.dumps(cfg)],
         cwd=out.parent,
-        env=child_env(),
+        env={**child_env(), **(env or {})},
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -22,9 +22,19 @@ from lightning.pytorch.loggers.logger import Logger
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from models import NoSkipGPT, TinyGPT, TwiceGPT, WrappedGPT, loader  # noqa: E402
+import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads are counted)
+from models import InitGPT, ItemGPT, NoSkipGPT, TinyGPT, TwiceGPT, WrappedGPT, loader  # noqa: E402
 
 import lightning_pp  # noqa: E402,F401
+
+MODELS = {
+    "tiny": TinyGPT,
+    "noskip": NoSkipGPT,
+    "twice": TwiceGPT,
+    "wrapped": WrappedGPT,
+    "init": InitGPT,
+    "item": ItemGPT,
+}
 
 
 class MemoryLogger(Logger):
@@ -64,6 +74,60 @@ class Seen(Callback):
             self.val.append({k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")})
 
 
+def _proc(path: str, key: str) -> int:
+    return int(next(line for line in open(path) if line.startswith(key)).split()[1])
+
+
+class Usage(Callback):
+    """Bytes this rank read from files during the first training batch (where a resumed stage reads its
+    checkpoint), and its peak resident memory during training, counted from just before ``fit``."""
+
+    def __init__(self) -> None:
+        open("/proc/self/clear_refs", "w").write("5")  # restart the peak (VmHWM) from here
+        self.rss_before = _proc("/proc/self/status", "VmRSS:") * 1024
+        self.read_first_batch: int | None = None  # the first batch a run trains, resumed or not
+        self.peak_growth = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.read_first_batch is None:
+            self.read_first_batch = -_proc("/proc/self/io", "rchar:")
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if self.read_first_batch < 0:
+            self.read_first_batch += _proc("/proc/self/io", "rchar:")
+
+    def on_train_end(self, trainer, pl_module) -> None:  # before the final checkpoint's gather
+        self.peak_growth = _proc("/proc/self/status", "VmHWM:") * 1024 - self.rss_before
+
+
+def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
+    """The test module, eagerly or (``build``) on meta: under ``trainer.init_module()`` or late, in
+    ``configure_model``; a one-process run gets the pipeline's initial weights from lightning_pp.materialize."""
+    how = cfg.get("build")
+    kwargs = dict(
+        n_layers=cfg.get("n_layers", 4),
+        optimizer=cfg.get("optimizer", "adamw"),
+        lr=cfg.get("lr", 1e-2),
+        sync_dist=cfg.get("sync_dist", False),
+        plateau=cfg.get("monitor", False),
+        metrics=cfg.get("metrics", False),
+        **({"dim": cfg["dim"]} if "dim" in cfg else {}),
+        **({"late": True} if how == "configure_model" else {}),
+    )
+    model_cls = MODELS[cfg.get("model", "tiny")]
+    if how is None:
+        return model_cls(**kwargs)
+    if trainer is None:  # one process: the same build, materialised by the pipeline's rule
+        with lightning_pp.empty_weights():
+            model = model_cls(**kwargs)
+            model.configure_model()
+        return lightning_pp.materialize(model)
+    if how == "init_module":
+        with trainer.init_module(empty_init=True):
+            return model_cls(**kwargs)
+    return model_cls(**kwargs)
+
+
 class Pid(Callback):
     """Records each rank's pid (so tests can check no rank outlives the job) and kills one on request."""
 
@@ -84,17 +148,6 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
-    model_cls = {"tiny": TinyGPT, "noskip": NoSkipGPT, "twice": TwiceGPT, "wrapped": WrappedGPT}[
-        cfg.get("model", "tiny")
-    ]
-    model = model_cls(
-        n_layers=cfg.get("n_layers", 4),
-        optimizer=cfg.get("optimizer", "adamw"),
-        lr=cfg.get("lr", 1e-2),
-        sync_dist=cfg.get("sync_dist", False),
-        plateau=cfg.get("monitor", False),
-        metrics=cfg.get("metrics", False),
-    )
     batch = cfg.get("batch", 8)
     train = loader(cfg.get("n_train", 64), batch, seed=0)
     val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1)
@@ -158,8 +211,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         enable_model_summary=False,
         num_sanity_val_steps=cfg.get("sanity", 2),
     )
-    if trainer.global_rank == 0:
+    model = build(cfg, None if cfg["strategy"] == "single" else trainer)
+    whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    if trainer.global_rank == 0 and not any(p.is_meta for p in model.parameters()):
         torch.save(model.state_dict(), out / "initial.pt")
+    usage = Usage()
+    trainer.callbacks.append(usage)
     trainer.fit(model, train, val, ckpt_path=cfg.get("resume"))
     trainer.save_checkpoint(out / "final.ckpt")  # a directory when state_dict_type="sharded"
     result = {
@@ -171,6 +228,12 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "loss_steps": getattr(model, "loss_steps", 0),
         "world": trainer.world_size,
         "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
+        "params": sorted(n for n, _ in model.named_parameters()),
+        "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "meta_params": sum(p.is_meta for p in model.parameters()),
+        "whole_bytes": whole_bytes,
+        "peak_growth": usage.peak_growth,
+        "read_first_batch": usage.read_first_batch,
     }
     if cfg.get("monitor"):
         result["best_score"] = float(trainer.checkpoint_callback.best_model_score)
@@ -182,6 +245,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("test"):
         trainer.validate(model, val, verbose=False)
         result["validate"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
+    if cfg.get("validate_ckpt"):  # a fresh module (built the same way) validated from the checkpoint just written
+        trainer.validate(build(cfg, trainer), val, ckpt_path=out / "final.ckpt", verbose=False)
+        result["validate_ckpt"] = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val")}
     (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
     return result
 
