@@ -1,7 +1,7 @@
 """The Hydra app: ``python -m lightning_pp.train [overrides]`` (``-m`` for sweeps).
 
 One job seeds, builds strategy, model, data, trainer, logger and callbacks from ``conf/`` by
-instantiation, fits, validates, and writes into the job's directory the Lightning logs, a
+instantiation (the model on the meta device, so no process ever holds it whole), fits, validates, and writes into the job's directory the Lightning logs, a
 ``result.json`` (rank 0) and a ``rank{r}.json`` from every rank, so anyone can check that each
 rank ran the job's own configuration.
 """
@@ -112,7 +112,9 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     strategy = instantiate(cfg.strategy)
     trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
-    model, data = instantiate(cfg.model), instantiate(cfg.data)
+    with trainer.init_module(empty_init=True):  # parameters on meta: each rank materialises only its stage
+        model = instantiate(cfg.model)
+    data = instantiate(cfg.data)
 
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
