@@ -17,6 +17,8 @@ import torch
 # the model of the design card: 8 TransformerEncoderLayers, d=256, 4 heads, ff 1024, vocab 1000, 64 tokens
 MODEL = dict(vocab=1000, dim=256, n_layers=8, n_heads=4, seq_len=64)
 BATCH = 32
+# a model larger than a process should hold whole (large_model.py): 12 blocks of 1024, 151 M parameters
+LARGE = dict(vocab=64, dim=1024, n_layers=12, n_heads=16, seq_len=8, steps=2)
 # steps left out before timing: the first also runs torch's shape inference
 WARMUP = 3
 HERE = Path(__file__).parent

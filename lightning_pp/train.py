@@ -1,7 +1,8 @@
 """The Hydra app: ``python -m lightning_pp.train [overrides]`` (``-m`` for sweeps).
 
 One job seeds, builds strategy, model, data, trainer, logger and callbacks from ``conf/`` by
-instantiation (the model on the meta device, so no process ever holds it whole), fits, validates, and writes into the job's directory the Lightning logs, a
+instantiation (the model on the meta device, so no process ever holds it whole), fits, validates,
+and writes into the job's directory the Lightning logs, a
 ``result.json`` (rank 0) and a ``rank{r}.json`` from every rank, so anyone can check that each
 rank ran the job's own configuration.
 """

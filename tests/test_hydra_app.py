@@ -43,6 +43,7 @@ def logged_losses(run_dir: Path) -> list[float]:
     [
         [],
         ["model=gpt_small"],
+        ["model=gpt_large", "strategy.state_dict_type=sharded"],
         ["model=digits_mlp", "data=digits"],
         ["trainer=gpu"],
         ["trainer=slurm", "hydra/launcher=slurm"],
@@ -55,7 +56,7 @@ def test_every_config_group_composes(overrides):
     assert cfg.strategy._target_ == "lightning_pp.PipelineStrategy"
     assert set(cfg.strategy) - {"_target_"} == {
         "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
-        "activation_checkpointing", "state_dict_type", "timeout",
+        "activation_checkpointing", "state_dict_type", "init_fn", "timeout",
     }  # fmt: skip
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
     if "hydra/launcher=slurm" in overrides:
