@@ -38,19 +38,19 @@ def test_meta_built_model_trains_as_one_process_at_two_and_four_stages(tmp_path,
 
 
 def test_each_rank_holds_only_its_stage_in_memory(tmp_path):
-    # 16 layers of 1024 (257 MiB), 4 stages, SGD: a rank's peak is its stage's parameters and gradients plus a
+    # 12 layers of 1024 (193 MiB), 4 stages, SGD: a rank's peak is its stage's parameters and gradients plus a
     # fixed ~20 MiB (Lightning, gloo) and one layer's gradient while micro-batches accumulate. A fixed mmap
     # threshold makes freed tensors leave the resident set (glibc otherwise keeps and fragments them).
-    cfg = dict(model="init", build="init_module", dim=1024, n_layers=16, optimizer="plain_sgd", batch=8, n_train=24,
-               n_val=8, sanity=0, max_steps=3, strategy="pipeline", devices=4, m=4)  # fmt: skip
+    cfg = dict(model="init", build="init_module", dim=1024, n_layers=12, optimizer="plain_sgd", batch=8, n_train=16,
+               n_val=8, sanity=0, max_steps=2, strategy="pipeline", devices=4, m=4)  # fmt: skip
     job = ok(run_job(cfg, tmp_path / "job", env={"MALLOC_MMAP_THRESHOLD_": "65536"}))
     whole = job.rank(0)["whole_bytes"]
-    assert whole > 250 * MiB
+    assert whole > 190 * MiB
     for r in range(4):
         rank = job.rank(r)
         stage = 2 * rank["param_bytes"]  # parameters and gradients
         assert 0.2 < rank["param_bytes"] / whole < 0.3
-        assert 0.95 * stage <= rank["peak_growth"] <= min(stage + 48 * MiB, 0.7 * whole), (r, rank["peak_growth"])
+        assert 0.95 * stage <= rank["peak_growth"] <= min(stage + 48 * MiB, 0.75 * whole), (r, rank["peak_growth"])
 
 
 def _local_bytes(ckpt, names: set[str]) -> int:
