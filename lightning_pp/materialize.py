@@ -153,8 +153,9 @@ def materialize(
     owners = _meta_owners(module)
     if owners:
         check_initializers(module, init_fn)
-    with _swapping_parameters():
-        module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    if any(t.is_meta or t.device != device for t in _own_tensors(module, recurse=True)):
+        with _swapping_parameters():
+            module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
     cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=cuda), torch.no_grad():
         for name, owner in owners:

@@ -53,7 +53,8 @@ def test_timeline_follows_the_schedule(tmp_path, schedule):
             a, b = max(a, reach), min(b, end)
             if b > a:
                 waited, reach = waited + b - a, b
-        assert abs(busy + waited - span) <= 0.10 * span, (stage, busy, waited, span)
+        # alone 1.5-3.1% is unaccounted; one step on this 2-vCPU VM under a neighbour's load reached 12.5%
+        assert abs(busy + waited - span) <= 0.15 * span, (stage, busy, waited, span)
         print(f"{schedule} stage {stage}: unaccounted {1 - (busy + waited) / span:.1%} of the span")
     logged = [r for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
     assert logged and all(0 <= r["pipeline/bubble"] < 1 and r["pipeline/samples_per_s"] > 0 for r in logged)
