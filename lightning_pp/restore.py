@@ -32,8 +32,8 @@ class PendingRestore:
     model: Mapping[str, torch.Tensor] | None = None
     strict: bool = True
     optimizers: list[dict[str, Any]] | None = None
-    # sharded: one-process parameter names of each optimizer's groups (the checkpoint keys them by name)
-    names: list[list[list[str]]] | None = None
+    # sharded: each optimizer's parameter names in one-process order (the checkpoint keys its state by name)
+    names: list[list[str]] | None = None
 
 
 def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[str, Any], PendingRestore]:
@@ -47,7 +47,7 @@ def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[
             one_process_optimizer_state({"state": optimizers.get(str(i), {}), "param_groups": g})
             for i, g in enumerate(groups)
         ]
-        names = [[list(group["params"]) for group in g] for g in groups]
+        names = [[n for group in g for n in group["params"]] for g in groups]
         return checkpoint, PendingRestore(path, sharded=True, names=names)
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     return checkpoint, PendingRestore(path, sharded=False)
@@ -111,7 +111,7 @@ def restore_stage(
         _check_groups(states, layout, pending.path)
         names = [n for group in layout.names for n in group]
         # sharded checkpoints know each entry's parameter name: match by name, not by position
-        index = {n: k for k, n in enumerate(n for g in pending.names[o] for n in g)} if pending.names else None
+        index = {n: k for k, n in enumerate(pending.names[o])} if pending.names else None
         wanted: dict[int, tuple[int, dict[str, Any]]] = {}
         for j, i in enumerate(i for group in layout.kept for i in group):
             k = i if index is None else index.get(names[i], -1)
@@ -146,22 +146,20 @@ def _read_sharded(
 
     assert pending.names is not None
     weights = {k: local[k].detach() for k in wanted_model}
-    states: list[dict[int, dict[str, Any]]] = []
     request: dict[str, Any] = {"model": weights, "optimizers": {}}
     for o, wanted in enumerate(wanted_state):
-        names = [n for group in pending.names[o] for n in group]
-        by_name = {
+        names = pending.names[o]
+        request["optimizers"][str(o)] = {"state": {
             names[i]: {k: torch.empty_like(v, device="cpu") if torch.is_tensor(v) else v for k, v in entry.items()}
             for i, entry in wanted.values()
-        }
-        request["optimizers"][str(o)] = {"state": by_name}
-        states.append({j: by_name[names[i]] for j, (i, _) in wanted.items()})
+        }}  # fmt: skip
     with torch.no_grad():
         dcp.load(request, storage_reader=FileSystemReader(pending.path), planner=DefaultLoadPlanner(), no_dist=True)
-    # non-tensor values are replaced in the request's dicts: read them back from there
-    for o, wanted in enumerate(wanted_state):
-        names = [n for group in pending.names[o] for n in group]
-        states[o] = {j: request["optimizers"][str(o)]["state"][names[i]] for j, (i, _) in wanted.items()}
+    # read back from the request: DCP replaces non-tensor values in its dicts
+    states = [
+        {j: request["optimizers"][str(o)]["state"][pending.names[o][i]] for j, (i, _) in wanted.items()}
+        for o, wanted in enumerate(wanted_state)
+    ]
     return weights, states
 
 

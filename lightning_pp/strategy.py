@@ -406,7 +406,7 @@ class PipelineStrategy(ParallelStrategy):
         local = module if self._pruned else stage_view(module, placement, stages)
         materialize(local, self.root_device, init_fn=self.init_fn)
         if self._pending is not None:
-            optimizers = [_unwrap(o) for o in self.optimizers] if self._pending.optimizers is not None else []
+            optimizers = [_unwrap(o) for o in self.optimizers]
             copied = restore_stage(self._pending, local, optimizers, self._optimizer_layouts)
             self._pending = None
             rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
