@@ -24,7 +24,6 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
-from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -46,7 +45,6 @@ from lightning_pp.checkpoint import (
     replace_atomically,
     save_sharded,
 )
-from lightning_pp.clipping import clip_by_global_norm
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.launch import PipelineLauncher
 from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights, materialize
@@ -55,6 +53,7 @@ from lightning_pp.metrics import load_states, sync_metrics_over
 from lightning_pp.microbatch import batch_size_of, merge_microbatches
 from lightning_pp.partition import Balance, check_balance_mode, resolve_balance
 from lightning_pp.planning import learn_placement
+from lightning_pp.precision import loss_multiplier, pipeline_precision
 from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.relay import ReportRelay, replay
 from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint, restore_stage
@@ -218,7 +217,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._placement is None:
             check_module(module, self.layers, self.balance, self.n_stages)
         check_initializers(module, self.init_fn)
-        check_training_setup(module, self.precision_plugin, self.schedule, self.n_microbatches, self.layout)
+        check_training_setup(module, self.schedule, self.n_microbatches, self.layout)
         if self.layout.dp == 1:
             # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
             # pipeline replica keeps the user's order instead, see process_dataloader
@@ -236,7 +235,7 @@ class PipelineStrategy(ParallelStrategy):
                 )
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
-        clip_by_global_norm(self.precision_plugin, self._groups.pp)
+        pipeline_precision(self.precision_plugin, self._groups.pp, self.root_device)
 
     @override
     def model_to_device(self) -> None:
@@ -255,7 +254,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        scale = 1.0 / (self.microbatches_for(batch_size_of(args[0])) * trainer.accumulate_grad_batches)
+        m, accumulate = self.microbatches_for(batch_size_of(args[0])), trainer.accumulate_grad_batches
+        scale = loss_multiplier(self.precision_plugin) / (m * accumulate)
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         # the first batch of an accumulation window: Lightning zeroes the earlier gradients before backward, so
         # they are released now rather than held beside this step's (``on_before_zero_grad`` sees none)
@@ -585,18 +585,11 @@ def check_module(module: LightningModule, layers: str, balance: Balance, n_stage
     resolve_balance("uniform" if isinstance(balance, str) else balance, n_layers, n_stages)
 
 
-def check_training_setup(
-    module: LightningModule, precision: Any, schedule: str, n_microbatches: Optional[int], layout: Layout
-) -> None:
+def check_training_setup(module: LightningModule, schedule: str, n_microbatches: Optional[int], layout: Layout) -> None:
     if not module.automatic_optimization:
         raise PipelineConfigError(
             "automatic_optimization=False (manual optimization) is not supported by PipelineStrategy: the strategy"
             " runs forward and backward itself. Use automatic optimization."
-        )
-    if isinstance(precision, MixedPrecision) and precision.precision == "16-mixed":
-        raise NotImplementedError(
-            "precision='16-mixed' under the pipeline needs a loss scaler shared by all stages, which is planned;"
-            " use precision='bf16-mixed' or '32-true'."
         )
     if n_microbatches is not None:
         check_microbatches(schedule, n_microbatches, layout.pp, layout.n_stages)

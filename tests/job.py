@@ -19,6 +19,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -128,6 +129,33 @@ def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
     return model_cls(**kwargs)
 
 
+class Overflow(Callback):
+    """Under 16-mixed: makes the first layer's gradients inf at one step (on global rank 0 only, where that
+    layer sits on the first stage); records each optimizer step's loss scale and whether this rank's
+    parameters moved."""
+
+    def __init__(self, step: int | None) -> None:
+        self.step, self.scales, self.moved = step, [], []
+        self._before: dict[str, torch.Tensor] = {}
+        self._hooks: list[Any] = []
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._before = {n: p.detach().clone() for n, p in pl_module.named_parameters() if not p.is_meta}
+        blocks = getattr(pl_module.net, "blocks", None) or {}
+        if trainer.global_step == self.step and trainer.global_rank == 0 and "b0" in blocks:
+            self._hooks = [p.register_hook(lambda g: g * float("inf")) for p in blocks["b0"].parameters()]
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:  # after the optimizer step
+            self.scales.append(trainer.precision_plugin.scaler.get_scale())
+            after = dict(pl_module.named_parameters())  # this rank's stages once the first batch pruned the module
+            self.moved.append(any(not torch.equal(after[n], p) for n, p in self._before.items() if n in after))
+
+
 class Pid(Callback):
     """Records each rank's pid (so tests can check no rank outlives the job) and kills one on request."""
 
@@ -191,6 +219,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("monitor"):
         best = ModelCheckpoint(dirpath=out / "ckpts", filename="best", monitor="val_loss", save_top_k=1)
         callbacks += [best, EarlyStopping(monitor="val_loss", patience=10)]
+    precision: dict[str, Any] = {"precision": cfg.get("precision", "32-true")}
+    if precision["precision"] == "16-mixed-cpu":  # real fp16 autocast and a GradScaler on the CPU
+        scaler = torch.amp.GradScaler("cpu", init_scale=cfg.get("init_scale", 1024.0), growth_interval=4)
+        precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+        callbacks.append(Overflow(cfg.get("inf_step")))
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -201,7 +234,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         limit_val_batches=cfg.get("limit_val_batches"),
         gradient_clip_val=cfg.get("clip"),
         accumulate_grad_batches=cfg.get("accumulate", 1),
-        precision=cfg.get("precision", "32-true"),
+        **precision,
         logger=logger,
         callbacks=callbacks,
         log_every_n_steps=1,
@@ -235,6 +268,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "peak_growth": usage.peak_growth,
         "read_first_batch": usage.read_first_batch,
     }
+    if "plugins" in precision:
+        overflow = next(c for c in callbacks if isinstance(c, Overflow))
+        result["scales"], result["moved"] = overflow.scales, overflow.moved
     if cfg.get("monitor"):
         result["best_score"] = float(trainer.checkpoint_callback.best_model_score)
     if cfg.get("predict"):

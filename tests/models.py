@@ -118,7 +118,9 @@ class TinyGPT(L.LightningModule):
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr
+            [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            fused=self.hparams.optimizer == "fused_adamw",
         )
         if not self.hparams.plateau:
             return optimizer

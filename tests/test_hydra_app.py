@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import child_env, free_port, run_two_nodes
 from hydra import compose, initialize_config_module
+from hydra.utils import instantiate
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.train import check_config
@@ -46,6 +47,7 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["model=gpt_large", "strategy.state_dict_type=sharded"],
         ["model=digits_mlp", "data=digits"],
         ["trainer=gpu"],
+        ["trainer=cpu_fp16"],
         ["trainer=slurm", "hydra/launcher=slurm"],
         ["logger=tensorboard", "callbacks=none"],
         ["strategy.schedule=gpipe", "strategy.balance=[1,3]", "strategy.n_microbatches=8"],
@@ -59,6 +61,9 @@ def test_every_config_group_composes(overrides):
         "activation_checkpointing", "state_dict_type", "init_fn", "timeout",
     }  # fmt: skip
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+    if "trainer=cpu_fp16" in overrides:  # real fp16 on the CPU: the plugin, not the flag (Lightning would use bf16)
+        (plugin,) = instantiate(cfg.trainer.plugins)
+        assert cfg.trainer.precision is None and plugin.precision == "16-mixed" and plugin.scaler.get_scale() == 1024
     if "hydra/launcher=slurm" in overrides:
         assert cfg.hydra.launcher.nodes == 2 and cfg.hydra.launcher.tasks_per_node == 4
 
