@@ -106,21 +106,13 @@ def test_default_job_writes_results_and_learns(tmp_path):
         assert info["world_size"] == 2 and info["strategy"]["schedule"] == "1f1b" and info["threads"] == 1
 
 
-def test_digits_job(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = app(["model=digits_mlp", "data=digits", *QUICK, "data.batch_size=32", f"hydra.run.dir={run_dir}"], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["tokens_per_s"] is None and result["samples_per_s"] > 0 and result["val_loss"] < 2.3
-
-
 def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = app(["-m", "strategy.n_microbatches=2,4", "trainer.devices=2,3", "strategy.schedule=gpipe", *QUICK,
+    proc = app(["-m", "strategy.n_microbatches=2", "trainer.devices=2,3", "strategy.schedule=gpipe", *QUICK,
                 f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
-    assert len(jobs) == 4
+    assert len(jobs) == 2
     seen = set()
     for job in jobs:
         result = json.loads((job / "result.json").read_text())
@@ -136,12 +128,12 @@ def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):
             assert info["strategy"]["schedule"] == "gpipe"
             pids.add(info["pid"])
         assert len(pids) == devices
-    assert seen == {(2, 2), (2, 4), (3, 2), (3, 4)}
+    assert seen == {(2, 2), (3, 2)}
     with (sweep / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))
     assert list(rows[0])[:8] == ["job", "schedule", "stages", "n_microbatches", "train_loss", "val_loss",
                                  "samples_per_s", "wall_s"]  # fmt: skip
-    assert "trainer.devices" in rows[0] and len(rows) == 4
+    assert "trainer.devices" in rows[0] and len(rows) == 2
     for row in rows:
         assert 0 < float(row["train_loss"]) < 10 and 0 < float(row["val_loss"]) < 10
         assert int(row["stages"]) == int(row["trainer.devices"])
@@ -198,7 +190,11 @@ def test_a_users_own_config_dir_reaches_every_rank(tmp_path):
     mine.mkdir()
     (mine / "experiment.yaml").write_text("defaults:\n  - config\n  - _self_\nstrategy:\n  schedule: gpipe\n")
     run_dir = tmp_path / "run"
-    proc = app(["--config-dir", str(mine), "--config-name", "experiment", *QUICK, f"hydra.run.dir={run_dir}"], tmp_path)
+    proc = app(["--config-dir", str(mine), "--config-name", "experiment", "model=digits_mlp", "data=digits", *QUICK,
+                "data.batch_size=32", f"hydra.run.dir={run_dir}"], tmp_path)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     for rank in range(2):
         assert json.loads((run_dir / f"rank{rank}.json").read_text())["strategy"]["schedule"] == "gpipe"
+    # the digits classifier (scikit-learn's bundled data): no tokens, and it learns
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["tokens_per_s"] is None and result["samples_per_s"] > 0 and result["val_loss"] < 2.3

@@ -97,14 +97,19 @@ def test_the_scale_resumes_under_another_layout_and_on_one_process(first_run, tm
 
 def test_zero_bubble_v_schedule_with_replicas_accumulation_and_a_fused_optimizer(tmp_path):
     # 2 replicas x 2 ranks x 2 stages each, against Lightning's DDP on 2 processes under the same plugin
-    cfg = dict(FP16, n_train=128, batch=8, accumulate=2, optimizer="fused_adamw", inf_step=1, sync_dist=True)
-    job = ok(run_job({**cfg, "strategy": "pipeline", "schedule": "zbv", "devices": 4, "pp": 2, "m": 4},
-                     tmp_path / "job", timeout=300))  # fmt: skip
+    cfg = dict(FP16, n_train=64, batch=4, accumulate=2, optimizer="fused_adamw", inf_step=1, sync_dist=True)
+    job = ok(run_job({**cfg, "strategy": "pipeline", "schedule": "zbv", "devices": 4, "pp": 2, "m": 4,
+                      "state_dict_type": "sharded"}, tmp_path / "job", timeout=300))  # fmt: skip
     ddp = ok(run_job({**cfg, "strategy": "ddp", "devices": 2}, tmp_path / "ddp"))
     ref = ddp.rank(0)
     assert_same_logs(job.rank(0), ref, FP16_TOL)
     scales_and_skips(job, 4, ref, skipped=1)
     assert ddp.rank(1)["scales"] == ref["scales"]
+    # the sharded checkpoint: one shard per stage-holding rank of replica 0 (replica 1 writes nothing), the
+    # scaler's state beside the other non-tensor state
+    ckpt = job.out / "final.ckpt"
+    assert sorted(p.name for p in ckpt.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert torch.load(ckpt / "meta.pt", weights_only=False)["MixedPrecision"]["scale"] == ref["scales"][-1]
 
 
 @pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
