@@ -16,16 +16,13 @@ runs inside the schedule, before Lightning's ``pre_backward`` could scale it.
 
 from __future__ import annotations
 
-from typing import TypeVar
-
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 from torch.nn.utils import clip_grads_with_norm_, get_total_norm
 
+from lightning_pp.derive import derive
 from lightning_pp.errors import PipelineConfigError
-
-T = TypeVar("T")
 
 
 def global_grad_norm(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -67,32 +64,15 @@ class _OneVerdict:
         return {verdict.device: verdict}
 
 
-_DERIVED: dict[tuple[type, type], type] = {}
-
-
-def _derive(obj: T, mixin: type) -> T:
-    """Give ``obj`` the mixin's methods, keeping its class (isinstance checks) and ``__qualname__``
-    (Lightning stores the plugin's state under it: a new name would orphan the scaler's state)."""
-    cls = type(obj)
-    if not issubclass(cls, mixin):
-        derived = _DERIVED.get((cls, mixin))
-        if derived is None:
-            derived = type(f"Pipeline{cls.__name__}", (mixin, cls), {})
-            derived.__qualname__ = cls.__qualname__
-            _DERIVED[(cls, mixin)] = derived
-        obj.__class__ = derived
-    return obj
-
-
 def pipeline_precision(plugin: Precision, group: dist.ProcessGroup | None, device: torch.device) -> Precision:
     """Make ``plugin`` clip by the norm over the pipeline ``group`` and, if it scales the loss, share one
     verdict over all ranks. The scale exists on every rank from the start (a rank whose stage never
     computes the loss still unscales)."""
-    _derive(plugin, _ClipByGlobalNorm)
+    derive(plugin, _ClipByGlobalNorm)
     plugin._pipeline_group = group  # type: ignore[attr-defined]
     scaler = grad_scaler(plugin)
     if scaler is not None:
-        _derive(scaler, _OneVerdict)
+        derive(scaler, _OneVerdict)
         scaler.scale(torch.zeros((), device=device))
     return plugin
 

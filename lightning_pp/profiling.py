@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +38,12 @@ def sum_of_outputs(output: Any) -> torch.Tensor:
 
 
 def profile_costs(
-    module: nn.Module, layers: nn.ModuleDict, forward: Callable[..., Any], args: tuple, kwargs: dict, repeats: int = 3
+    module: nn.Module,
+    layers: Mapping[str, nn.Module],
+    forward: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    repeats: int = 3,
 ) -> Costs:
     """Seconds of forward plus backward per layer, and of the parts before and after the layers.
 
@@ -68,7 +73,7 @@ def profile_costs(
 
 
 def count_flops(
-    module: nn.Module, layers: nn.ModuleDict, forward: Callable[..., Any], args: tuple, kwargs: dict
+    module: nn.Module, layers: Mapping[str, nn.Module], forward: Callable[..., Any], args: tuple, kwargs: dict
 ) -> Costs:
     """FLOPs of forward plus backward per layer and of the parts before and after them, for a module
     (and inputs) on the meta device."""
@@ -93,7 +98,7 @@ def _untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
                 b.copy_(saved)
 
 
-def _timed_run(layers: nn.ModuleDict, run_forward: Callable[[], Any], now: Callable[[], float]) -> Costs:
+def _timed_run(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any], now: Callable[[], float]) -> Costs:
     """Costs of one forward and backward, read off the clock ``now`` (seconds, or FLOPs counted so far)."""
     n = len(layers)
     starts, ends = [0.0] * n, [0.0] * n

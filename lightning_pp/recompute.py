@@ -1,4 +1,4 @@
-"""Activation checkpointing per layer of the ModuleDict (GPipe's re-materialisation).
+"""Activation checkpointing of each pipelined layer (GPipe's re-materialisation).
 
 Each layer keeps only its inputs for backward and recomputes its activations there. The layer's
 ``forward`` is wrapped on the instance, so module names, state-dict keys and hooks stay as they are
@@ -7,7 +7,7 @@ Each layer keeps only its inputs for backward and recomputes its activations the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
-def checkpoint_layers(layers: nn.ModuleDict) -> None:
+def checkpoint_layers(layers: Mapping[str, nn.Module]) -> None:
     """Recompute each layer's activations in backward; random ops (dropout) replay the same draws."""
     for layer in layers.values():
         if not getattr(layer.forward, "_recomputed", False):

@@ -1,6 +1,6 @@
 """Turn a whole LightningModule into the one pipeline stage a rank owns.
 
-The seed convention: a stage keeps its run of the ModuleDict's layers; every other part becomes
+The seed convention: a stage keeps its run of the container's layers; every other part becomes
 ``None`` and the user's ``forward`` skips it. Which parts come before, between or after the
 layers is learned by watching one real forward, not guessed from attribute order.
 """
@@ -8,6 +8,7 @@ layers is learned by watching one real forward, not guessed from attribute order
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -18,34 +19,40 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from lightning_pp.derive import derive
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.partition import Balance, Costs, resolve_balance, stage_of_each_layer
 
+Layers = dict[str, nn.Module]
+_CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)
 
-def find_layers(module: nn.Module, path: str) -> nn.ModuleDict:
-    """The ModuleDict at the dotted ``path``, or an error that says what is there instead."""
+
+def find_layers(module: nn.Module, path: str) -> Layers:
+    """The layers of the container at the dotted ``path``, by key: the container's own mapping.
+
+    Deleting a key from it prunes the container and keeps every other layer under its original key
+    (an ``nn.ModuleList``'s ``h.5`` stays ``h.5``, so state-dict names never change), and the user's
+    ``for block in self.h`` then runs only the stage's layers. ``del h[i]`` would renumber instead.
+    """
     obj: Any = module
     walked: list[str] = []
     for name in path.split("."):
         walked.append(name)
         if not hasattr(obj, name):
-            dicts = [n for n, m in module.named_modules() if isinstance(m, nn.ModuleDict)]
+            found = [n for n, m in module.named_modules() if isinstance(m, _CONTAINERS) and len(m) > 1]
             raise PipelineConfigError(
                 f"layers={path!r}: {type(module).__name__} has no attribute {'.'.join(walked)!r}. Pass the dotted"
-                f" path of the nn.ModuleDict that holds the repeated layers, e.g. PipelineStrategy(layers="
-                f"{(dicts or ['model.layers'])[0]!r}); ModuleDicts in this module: {dicts}."
+                " path of the nn.ModuleList, nn.Sequential or nn.ModuleDict that holds the repeated layers, e.g."
+                f" PipelineStrategy(layers={(found or ['model.layers'])[0]!r}); such containers in this module:"
+                f" {found}."
             )
         obj = getattr(obj, name)
-    if isinstance(obj, nn.ModuleDict):
-        return obj
-    hint = ""
-    if isinstance(obj, (nn.ModuleList, nn.Sequential)):
-        hint = (
-            " Store the layers in an nn.ModuleDict instead, e.g."
-            " nn.ModuleDict({str(i): block for i, block in enumerate(blocks)}): a stage deletes the"
-            " layers it does not own and the dict keeps the other layers' names (and state-dict keys)."
-        )
-    raise PipelineConfigError(f"layers={path!r} is a {type(obj).__name__}, not an nn.ModuleDict.{hint}")
+    if isinstance(obj, _CONTAINERS):
+        return obj._modules  # type: ignore[return-value]
+    raise PipelineConfigError(
+        f"layers={path!r} is a {type(obj).__name__}, not an nn.ModuleList, nn.Sequential or nn.ModuleDict of the"
+        " repeated layers; pass the path of the container whose entries forward runs one after another."
+    )
 
 
 @dataclass(frozen=True)
@@ -186,7 +193,7 @@ def plan_placement(
     layers = find_layers(module, path)
     keys = tuple(layers.keys())
     if not keys:
-        raise PipelineConfigError(f"layers={path!r} is an empty nn.ModuleDict; the pipeline splits its layers.")
+        raise PipelineConfigError(f"layers={path!r} is empty; the pipeline splits its layers.")
     order = trace.layer_order
     if order != list(keys):
         if not order:
@@ -196,7 +203,7 @@ def plan_placement(
             )
         raise PipelineConfigError(
             f"forward called the layers at {path!r} in the order {order}, but a pipeline runs them once each"
-            f" in the ModuleDict's order {list(keys)}; reorder the ModuleDict or the loop in forward."
+            f" in the container's order {list(keys)}; reorder the container or the loop in forward."
         )
     parts, params = _parts_and_params(module, path)
     n = len(keys)
@@ -285,9 +292,30 @@ def prune_to_stages(module: nn.Module, placement: Placement, stages: Sequence[in
     for key in list(layers.keys()):
         if key not in keep:
             del layers[key]
+    container = get_path(module, placement.layers_path)
+    if isinstance(container, (nn.ModuleList, nn.Sequential)):
+        derive(container, _GlobalIndex)
     for name in placement.absent_on(*stages):
         parent, _, attr = name.rpartition(".")
         setattr(get_path(module, parent) if parent else module, attr, None)
+
+
+class _GlobalIndex:
+    """A pruned ModuleList or Sequential: an integer index names a layer's global key. By position it would
+    silently pick another layer of this stage (or fail with a misleading message)."""
+
+    _modules: dict[str, nn.Module]
+
+    def __getitem__(self, index: Any) -> Any:
+        if not isinstance(index, int):
+            return super().__getitem__(index)  # type: ignore[misc]
+        if str(index) in self._modules:
+            return self._modules[str(index)]
+        raise IndexError(
+            f"Layer {index} is not on this pipeline stage, which holds layers {list(self._modules)} of this"
+            f" {type(self).__name__}. Under the pipeline iterate over the layers (`for block in self.h`) instead of"
+            " indexing them by position."
+        )
 
 
 def stage_view(module: nn.Module, placement: Placement, stages: Sequence[int]) -> nn.Module:
@@ -316,8 +344,25 @@ def _shallow(module: nn.Module) -> nn.Module:
     return copy
 
 
+_RUNNING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_pp_running", default=False)
+
+
+@contextlib.contextmanager
+def running_stages() -> Iterator[None]:
+    """Inside the pipeline the pruned model may be called at any depth (``forward`` calling ``self.net``)."""
+    token = _RUNNING.set(True)
+    try:
+        yield
+    finally:
+        _RUNNING.reset(token)
+
+
 def guard_forwards(module: nn.Module, placement: Placement, stages: list[int], entries: Iterable[nn.Module]) -> None:
-    """After pruning, calling the model outside the pipeline must fail loudly, not compute garbage."""
+    """After pruning, calling the model outside the pipeline must fail loudly, not compute garbage.
+
+    A pre-hook rather than a replaced ``forward``: the stages' views share it, and inside the pipeline
+    a wrapper's ``forward`` still reaches the inner network it delegates to.
+    """
     layers = [key for stage in stages for key in placement.layers_of(stage)]
     held = f"stage {stages[0]}" if len(stages) == 1 else f"stages {stages}"
     for entry in entries:
@@ -327,11 +372,12 @@ def guard_forwards(module: nn.Module, placement: Placement, stages: list[int], e
             f" module on one process instead, e.g."
             f" {type(module).__name__}.load_from_checkpoint(trainer.checkpoint_callback.best_model_path)."
         )
-        entry.forward = functools.partial(_refuse, message)  # type: ignore[method-assign]
+        entry.register_forward_pre_hook(functools.partial(_refuse_outside, message))
 
 
-def _refuse(message: str, *_: Any, **__: Any) -> Any:
-    raise RuntimeError(message)
+def _refuse_outside(message: str, *_: Any) -> None:
+    if not _RUNNING.get():
+        raise RuntimeError(message)
 
 
 def get_path(module: nn.Module, dotted: str) -> Any:

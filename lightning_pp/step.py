@@ -30,7 +30,7 @@ from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call
 from lightning_pp.profiling import sum_of_outputs
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import SPLIT_BACKWARD, build_schedule, normalize_schedule
-from lightning_pp.stage import get_path, patched
+from lightning_pp.stage import get_path, patched, running_stages
 from lightning_pp.telemetry import Event, StepRecorder
 
 _MAX_CACHED_SHAPES = 4
@@ -190,9 +190,15 @@ class PipelineRunner:
     ) -> StepReport | None:
         """One step of ``hook`` (``training_step``, ``validation_step``, ...) over the whole batch.
 
-        ``loss_scale`` multiplies each micro-batch loss before backward (1 / (m x accumulation)).
-        Returns the step's report on the last stage, None elsewhere.
+        ``loss_scale`` multiplies each micro-batch loss before backward (1 / (m x accumulation), times the
+        fp16 loss scale). Returns the step's report on the last stage, None elsewhere.
         """
+        with running_stages():
+            return self._run(hook, args, kwargs, n_microbatches, train, loss_scale, record)
+
+    def _run(
+        self, hook: str, args: tuple, kwargs: dict, n_microbatches: int, train: bool, loss_scale: float, record: bool
+    ) -> StepReport | None:
         step = getattr(self.module, hook)
         batch, rest = args[0], tuple(args[1:])
         microbatches = split_batch(batch, n_microbatches)

@@ -70,7 +70,8 @@ from lightning_pp.telemetry import Event
 
 
 class PipelineStrategy(ParallelStrategy):
-    """Pipeline parallelism for an unchanged LightningModule whose layers sit in an ``nn.ModuleDict``.
+    """Pipeline parallelism for an unchanged LightningModule whose layers sit in an ``nn.ModuleList``,
+    ``nn.Sequential`` or ``nn.ModuleDict``.
 
     Stage ``s`` keeps the ``s``-th run of consecutive layers, parts used before the layers live on
     the first stage and parts used after them on the last. A rank holds one stage under GPipe and

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -49,11 +51,22 @@ def run_job(
     timeout: float = 180,
     command: list[str] | None = None,
     env: dict[str, str] | None = None,
+    launcher: bool = False,
 ) -> Job:
-    """Run tests/job.py as a real multi-process Lightning job (its launcher starts the other ranks)."""
+    """Run tests/job.py as a real multi-process Lightning job.
+
+    By default its ranks are forked from a process that has imported torch and Lightning once (see
+    ``forked.py``: each rank runs the whole job, as under torchrun). ``launcher=True`` (or a ``command``)
+    starts the job as a user would: one process, whose Lightning launcher starts the other ranks.
+    """
     cfg = {**cfg, "out": str(out)}
-    command = command or [sys.executable, str(HERE / "job.py")]
     start = time.monotonic()
+    if command is None and not launcher and cfg.get("strategy") != "single":
+        codes, output = _FORKED.run(cfg, out.parent, env or {}, timeout)
+        job = Job(subprocess.CompletedProcess([], max(codes, key=abs)), out, time.monotonic() - start)
+        job.output = output
+        return job
+    command = command or [sys.executable, str(HERE / "job.py")]
     proc = subprocess.run(
         [*command, json.dumps(cfg)],
         cwd=out.parent,
@@ -65,6 +78,37 @@ def run_job(
     job = Job(proc, out, time.monotonic() - start)
     job.output = proc.stdout + proc.stderr
     return job
+
+
+class _Forked:
+    """The fork server (``forked.py``), started at the first job and reused by every later one."""
+
+    def __init__(self) -> None:
+        self._proc: subprocess.Popen | None = None
+        self._count = 0
+
+    def run(self, cfg: dict[str, Any], cwd: Path, env: dict[str, str], timeout: float) -> tuple[list[int], str]:
+        if self._proc is None or self._proc.poll() is not None:
+            self._proc = subprocess.Popen(
+                [sys.executable, str(HERE / "forked.py")], env=child_env(), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, text=True, bufsize=1,
+            )  # fmt: skip
+        self._count += 1
+        output = cwd / f".job{self._count}.log"
+        request = dict(cfg=cfg, env=env, cwd=str(cwd), output=str(output), port=free_port())
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._proc.stdin.write(json.dumps(request) + "\n")
+        leader = json.loads(self._proc.stdout.readline())["leader"]
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        if not ready:
+            os.killpg(leader, signal.SIGKILL)
+            self._proc.stdout.readline()
+            raise subprocess.TimeoutExpired(str(cfg), timeout, output=output.read_text())
+        codes = json.loads(self._proc.stdout.readline())["returncodes"]
+        return codes, output.read_text()
+
+
+_FORKED = _Forked()
 
 
 def free_port() -> int:

@@ -24,7 +24,18 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads are counted)
-from models import InitGPT, ItemGPT, NoSkipGPT, TinyGPT, TwiceGPT, WrappedGPT, loader  # noqa: E402
+from models import (  # noqa: E402
+    DelegatingGPT,
+    InitGPT,
+    ItemGPT,
+    ListGPT,
+    NoSkipGPT,
+    SequentialGPT,
+    TinyGPT,
+    TwiceGPT,
+    WrappedGPT,
+    loader,
+)
 
 import lightning_pp  # noqa: E402,F401
 
@@ -35,6 +46,9 @@ MODELS = {
     "wrapped": WrappedGPT,
     "init": InitGPT,
     "item": ItemGPT,
+    "list": ListGPT,
+    "sequential": SequentialGPT,
+    "delegating": DelegatingGPT,
 }
 
 

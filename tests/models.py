@@ -225,3 +225,67 @@ class ItemGPT(InitGPT):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = super().forward(tokens)
         return h * 0.5 if h.abs().max().item() > 1e6 else h
+
+
+class ListGPT(TinyGPT):
+    """Blocks in an ``nn.ModuleList`` looped over directly, as HF GPT-2, nanoGPT and litgpt keep theirs."""
+
+    def make_net(self) -> Net:
+        net = super().make_net()
+        net.blocks = nn.ModuleList(net.blocks.values())
+        return net
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = tokens
+        if self.net.embed is not None:
+            h = self.net.embed(tokens) + self.net.pos[: tokens.shape[1]]
+        for block in self.net.blocks:
+            h = block(h)
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        return self.net.head(h) if self.net.head is not None else h
+
+
+class SequentialGPT(ListGPT):
+    """Blocks in an ``nn.Sequential`` that forward calls as one module."""
+
+    def make_net(self) -> Net:
+        net = super().make_net()
+        net.blocks = nn.Sequential(*net.blocks)
+        return net
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = tokens
+        if self.net.embed is not None:
+            h = self.net.embed(tokens) + self.net.pos[: tokens.shape[1]]
+        h = self.net.blocks(h)
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        return self.net.head(h) if self.net.head is not None else h
+
+
+class Body(nn.Module):
+    """The network one level down, whose own forward skips the parts other stages hold."""
+
+    def __init__(self, net: Net, final_norm: nn.Module) -> None:
+        super().__init__()
+        self.net, self.final_norm = net, final_norm
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return ListGPT.forward(self, tokens)  # type: ignore[arg-type]
+
+
+class DelegatingGPT(ListGPT):
+    """``forward`` delegates to ``self.body(x)``, which holds the network (layers at ``body.net.blocks``), and the
+    steps call ``self(x)``: the model is reached through a wrapper, inside the pipeline too."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.body = Body(self.net, self.final_norm)
+        del self.net, self.final_norm
+
+    def configure_model(self) -> None:
+        pass
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.body(tokens)

@@ -57,7 +57,7 @@ def test_one_process_checkpoint_resumes_under_the_pipeline(tmp_path, reference):
 def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, state_dict_type):
     job = run_job({**BASE, "strategy": "pipeline", "devices": 2, "m": 2, "save_every": 2, "max_steps": 8,
                    "timeout": 30, "env": {FAULT_ENV: "1:2"}, "state_dict_type": state_dict_type},
-                  tmp_path / "job", timeout=120)  # fmt: skip
+                  tmp_path / "job", timeout=120, launcher=True)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     ckpts = job.out / "ckpts"
     assert not (ckpts / "step=4.ckpt").exists()  # the save rank 1 died in never landed

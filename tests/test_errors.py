@@ -70,7 +70,12 @@ def assert_all_ranks_gone(out, n: int) -> None:
 
 
 def test_forward_that_does_not_skip_none_stops_every_rank_with_the_message(tmp_path):
-    job = run_job(dict(strategy="pipeline", devices=2, m=2, model="noskip", timeout=30), tmp_path / "job", timeout=90)
+    job = run_job(
+        dict(strategy="pipeline", devices=2, m=2, model="noskip", timeout=30),
+        tmp_path / "job",
+        timeout=90,
+        launcher=True,
+    )
     assert job.returncode != 0
     assert job.seconds < 60
     # rank 1 fails in its forward; rank 0 stops with rank 1's message instead of hanging
@@ -81,7 +86,9 @@ def test_forward_that_does_not_skip_none_stops_every_rank_with_the_message(tmp_p
 
 
 def test_a_step_that_calls_the_model_twice_is_refused_on_every_rank(tmp_path):
-    job = run_job(dict(strategy="pipeline", devices=2, m=2, model="twice", sanity=0, timeout=30), tmp_path / "job")
+    job = run_job(
+        dict(strategy="pipeline", devices=2, m=2, model="twice", sanity=0, timeout=30), tmp_path / "job", launcher=True
+    )
     assert job.returncode != 0 and job.seconds < 60
     assert "TwiceGPT.training_step calls the model more than once" in job.output
     assert "Pipeline rank 1 failed, so rank 0 stops too" in job.output
@@ -89,7 +96,9 @@ def test_a_step_that_calls_the_model_twice_is_refused_on_every_rank(tmp_path):
 
 
 def test_batch_that_does_not_split_fails_on_every_rank_before_training(tmp_path):
-    job = run_job(dict(strategy="pipeline", devices=2, m=3, batch=8, timeout=30), tmp_path / "job", timeout=90)
+    job = run_job(
+        dict(strategy="pipeline", devices=2, m=3, batch=8, timeout=30), tmp_path / "job", timeout=90, launcher=True
+    )
     assert job.returncode != 0 and job.seconds < 60
     message = "batch_size=8 has 8 samples, which does not split into n_microbatches=3 equal parts"
     assert job.output.count(message) >= 2, job.output[-3000:]
@@ -102,6 +111,7 @@ def test_partial_last_batch_that_cannot_split_is_reported_before_training(tmp_pa
         dict(strategy="pipeline", devices=2, m=4, batch=8, n_train=66, sanity=0, timeout=30),
         tmp_path / "job",
         timeout=90,
+        launcher=True,
     )
     assert job.returncode != 0 and job.seconds < 60
     assert job.output.count("The last training batch (66 samples, batch_size=8) has 2 samples") >= 2
@@ -109,6 +119,8 @@ def test_partial_last_batch_that_cannot_split_is_reported_before_training(tmp_pa
 
 
 def test_a_killed_rank_ends_the_job(tmp_path):
-    job = run_job(dict(strategy="pipeline", devices=2, m=2, kill_rank=1, timeout=30), tmp_path / "job", timeout=90)
+    job = run_job(
+        dict(strategy="pipeline", devices=2, m=2, kill_rank=1, timeout=30), tmp_path / "job", timeout=90, launcher=True
+    )
     assert job.returncode != 0 and job.seconds < 60
     assert_all_ranks_gone(job.out, 2)

@@ -43,7 +43,7 @@ def test_each_rank_holds_only_its_stage_in_memory(tmp_path):
     # threshold makes freed tensors leave the resident set (glibc otherwise keeps and fragments them).
     cfg = dict(model="init", build="init_module", dim=1024, n_layers=12, optimizer="plain_sgd", batch=8, n_train=16,
                n_val=8, sanity=0, max_steps=2, strategy="pipeline", devices=4, m=4)  # fmt: skip
-    job = ok(run_job(cfg, tmp_path / "job", env={"MALLOC_MMAP_THRESHOLD_": "65536"}))
+    job = ok(run_job(cfg, tmp_path / "job", env={"MALLOC_MMAP_THRESHOLD_": "65536"}, launcher=True))
     whole = job.rank(0)["whole_bytes"]
     assert whole > 190 * MiB
     for r in range(4):
@@ -101,7 +101,7 @@ def test_sharded_checkpoint_resumes_under_another_layout_reading_only_local_byte
 )
 def test_a_module_that_cannot_be_built_on_meta_stops_every_rank_with_the_fix(tmp_path, model, message):
     job = run_job(dict(strategy="pipeline", devices=2, m=2, model=model, build="init_module", timeout=30),
-                  tmp_path / "job", timeout=90)  # fmt: skip
+                  tmp_path / "job", timeout=90, launcher=True)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     assert job.output.count(message) >= 2, job.output[-3000:]  # on both ranks
     assert_all_ranks_gone(job.out, 2)

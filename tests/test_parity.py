@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ok, run_job
-from models import TinyGPT
+from job import MODELS
 
 LOSS_TOL = 2e-4
 PARAM_TOL = 1e-6
@@ -147,7 +147,7 @@ def assert_exact_parameters(job, cfg: dict, reference, reversed_backward: bool =
     for index, slots in theirs["state"].items():
         for slot, value in slots.items():
             assert torch.allclose(mine["state"][index][slot], value, atol=PARAM_TOL, rtol=0), (index, slot)
-    model = TinyGPT.load_from_checkpoint(job.out / "final.ckpt")
+    model = MODELS[cfg.get("model", "tiny")].load_from_checkpoint(job.out / "final.ckpt")
     assert torch.equal(model.net.head.weight, state["net.head.weight"])
 
 

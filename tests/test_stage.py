@@ -7,12 +7,18 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from models import TinyGPT  # noqa: E402
+from models import ListGPT, TinyGPT  # noqa: E402
 
 from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
 from lightning_pp.recompute import checkpoint_layers  # noqa: E402
-from lightning_pp.stage import find_layers, plan_placement, prune_to_stages, trace_forward  # noqa: E402
+from lightning_pp.stage import (  # noqa: E402
+    find_layers,
+    plan_placement,
+    prune_to_stages,
+    stage_view,
+    trace_forward,
+)
 
 
 def place(module, path, n_stages, inputs, balance=None):
@@ -135,11 +141,26 @@ def test_find_layers_errors_name_the_value_and_the_fix():
         PipelineConfigError, match=r"layers='blocks'.*has no attribute 'blocks'.*layers='layers'.*\['layers'\]"
     ):
         find_layers(model, "blocks")
-    model.layers = nn.ModuleList([nn.Linear(2, 2)])
-    with pytest.raises(PipelineConfigError, match=r"is a ModuleList, not an nn.ModuleDict.*nn.ModuleDict\("):
-        find_layers(model, "layers")
-    with pytest.raises(PipelineConfigError, match=r"layers='norm' is a LayerNorm"):
+    with pytest.raises(PipelineConfigError, match=r"layers='norm' is a LayerNorm, not an nn.ModuleList, nn.Sequ"):
         find_layers(model, "norm")
+
+
+@pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])
+def test_a_pruned_list_keeps_global_names_and_refuses_positional_indexing(container):
+    model = ListGPT(n_layers=4)
+    model.net.blocks = container(*model.net.blocks) if container is nn.Sequential else model.net.blocks
+    placement = place(model, "net.blocks", 2, torch.zeros(2, 8, dtype=torch.long))
+    view = stage_view(model, placement, [1])  # the whole module stays whole
+    prune_to_stages(model, placement, [1])
+    blocks = model.net.blocks
+    assert isinstance(blocks, container) and type(blocks).__qualname__ == container.__qualname__
+    assert [n for n, _ in blocks.named_children()] == ["2", "3"] and len(blocks) == 2
+    assert {k.split(".")[2] for k in model.state_dict() if k.startswith("net.blocks.")} == {"2", "3"}
+    assert blocks[3] is list(blocks)[1]  # an integer names the global layer
+    with pytest.raises(IndexError, match=r"Layer 0 is not on this pipeline stage, which holds layers \['2', '3'\]"):
+        blocks[0]
+    assert len(blocks[:1]) == 1  # slices stay positional over the stage's layers
+    assert [n for n, _ in view.net.blocks.named_children()] == ["2", "3"]
 
 
 def test_activation_checkpointing_recomputes_each_layer_with_equal_gradients():

@@ -1,0 +1,80 @@
+"""Starts the ranks of test jobs by forking one process that has already imported torch and Lightning.
+
+Each rank of a real job spends about 7 s of CPU importing torch, Lightning and torchmetrics before
+it does anything, most of a small test job's cost on 2 cores. This server imports them once; for
+each job it forks a leader in a new session, which forks the ranks with the environment torchrun
+gives them (Lightning then starts no processes of its own, as under torchrun) and waits for all of
+them. Every rank runs ``job.run(cfg)`` whole, as a rank started by a launcher would. Tests of the
+launch itself and of failing jobs use Lightning's launcher instead (``run_job(..., launcher=True)``).
+
+Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg", "env", "cwd", "output", "port"}``
+in; ``{"leader": pid}`` when started, then ``{"returncodes": [...]}`` when every rank has exited.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import job  # noqa: E402  (torch, Lightning and lightning_pp, imported once)
+
+
+def _rank(request: dict, rank: int, world: int) -> None:
+    os.environ.update(request["env"])
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]), WORLD_SIZE=str(world), RANK=str(rank),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", NODE_RANK="0",
+        TORCHELASTIC_RUN_ID="forked",
+    )  # fmt: skip
+    code = 0
+    try:
+        job.run(request["cfg"])
+    except BaseException:  # noqa: B036  (the rank's exit status is what the test reads)
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _lead(request: dict) -> None:
+    os.setsid()  # the test kills the whole job on a timeout
+    os.chdir(request["cwd"])
+    out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(out, 1)
+    os.dup2(out, 2)
+    world = int(request["cfg"]["devices"])
+    pids = []
+    for rank in range(world):
+        pid = os.fork()
+        if pid == 0:
+            _rank(request, rank, world)
+        pids.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
+    with open(request["output"] + ".codes", "w") as f:
+        json.dump(codes, f)
+    os._exit(0)
+
+
+def serve() -> None:
+    for line in sys.stdin:
+        request = json.loads(line)
+        leader = os.fork()
+        if leader == 0:
+            _lead(request)
+        print(json.dumps({"leader": leader}), flush=True)
+        os.waitpid(leader, 0)
+        try:
+            with open(request["output"] + ".codes") as f:
+                codes = json.load(f)
+        except FileNotFoundError:  # killed on a timeout
+            codes = [-9]
+        print(json.dumps({"returncodes": codes}), flush=True)
+
+
+if __name__ == "__main__":
+    serve()

@@ -1,0 +1,43 @@
+"""The module shapes real models have: layers in an ``nn.ModuleList`` or ``nn.Sequential``, and a network
+reached through wrappers (``forward`` delegating to an inner module), each equal to one process."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ok, run_job
+from test_parity import LOSS_TOL, assert_exact_parameters, assert_same_logs, common
+
+SHAPES = {
+    # the user's loop `for block in self.net.blocks` runs only the stage's blocks, under their global names
+    "modulelist-2-1f1b": dict(model="list", schedule="1f1b", devices=2, m=2, optimizer="sgd", lr=0.5, params=True),
+    # nn.Sequential's own forward over the pruned container
+    "sequential-3-gpipe": dict(
+        model="sequential",
+        schedule="gpipe",
+        devices=3,
+        m=3,
+        batch=6,
+        n_train=36,
+        n_val=30,
+        optimizer="sgd",
+        lr=0.5,
+        params=True,
+    ),  # fmt: skip
+    # self(x) -> self.body(x) -> the ModuleList three levels down, on 3 stages
+    "delegating-3-1f1b": dict(
+        model="delegating", layers="body.net.blocks", schedule="1f1b", devices=3, m=3, batch=6, n_train=36, n_val=30
+    ),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+def test_module_shape_trains_as_one_process(name, tmp_path, reference):
+    cfg = {"batch": 8, "n_train": 32, "n_val": 16, **SHAPES[name]}
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    ref = reference(**common(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    held = [set(job.rank(r)["params"]) for r in range(cfg["devices"])]
+    assert set().union(*held) == set(ref["params"]) and sum(map(len, held)) == len(ref["params"])
+    assert job.state().keys() == ref["state"].keys()  # every layer under its one-process name
+    if cfg.get("params"):
+        assert_exact_parameters(job, cfg, reference)
