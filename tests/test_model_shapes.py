@@ -23,6 +23,9 @@ SHAPES = {
         lr=0.5,
         params=True,
     ),  # fmt: skip
+    # a V schedule: rank 0 holds stages 0 and 3, each a view of its one pruned ModuleList
+    "modulelist-zbv-4": dict(model="list", schedule="zbv", devices=2, m=4),
+    "sequential-interleaved-4": dict(model="sequential", schedule="interleaved_1f1b", devices=2, m=4),
     # self(x) -> self.body(x) -> the ModuleList three levels down, on 3 stages
     "delegating-3-1f1b": dict(
         model="delegating", layers="body.net.blocks", schedule="1f1b", devices=3, m=3, batch=6, n_train=36, n_val=30
