@@ -287,12 +287,11 @@ def _reject_tied_parameters(module: nn.Module, placement: Placement) -> None:
 
 def prune_to_stages(module: nn.Module, placement: Placement, stages: Sequence[int]) -> None:
     """Drop every layer, part and loose parameter none of ``stages`` owns; names stay unchanged."""
-    layers = find_layers(module, placement.layers_path)
-    keep = {key for stage in stages for key in placement.layers_of(stage)}
-    for key in list(layers.keys()):
-        if key not in keep:
-            del layers[key]
     container = get_path(module, placement.layers_path)
+    keep = {key for stage in stages for key in placement.layers_of(stage)}
+    for key in list(container._modules):
+        if key not in keep:
+            del container._modules[key]  # not `del container[i]`, which renumbers a ModuleList
     if isinstance(container, (nn.ModuleList, nn.Sequential)):
         derive(container, _GlobalIndex)
     for name in placement.absent_on(*stages):
