@@ -54,7 +54,11 @@ class Layout:
     @property
     def last_stage_rank(self) -> int:
         """Global rank of the last stage of this rank's replica (where its loss and logs are)."""
-        return self.replica * self.pp + rank_of_stage(self.schedule, self.n_stages - 1, self.pp)
+        return self.stage_rank(self.n_stages - 1)
+
+    def stage_rank(self, stage: int, replica: int | None = None) -> int:
+        """Global rank holding ``stage`` in ``replica`` (default: this rank's)."""
+        return (self.replica if replica is None else replica) * self.pp + rank_of_stage(self.schedule, stage, self.pp)
 
     @property
     def first_stage_rank(self) -> int:

@@ -19,9 +19,11 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.materialize import has_meta_tensors, on_meta
+from lightning_pp.mesh import Layout
 from lightning_pp.microbatch import capture_model_call, split_batch
-from lightning_pp.partition import Balance
+from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.profiling import agree, count_flops, describe_costs, profile_costs
+from lightning_pp.schedule import check_microbatches
 from lightning_pp.stage import Placement, find_layers, model_entries, plan_placement, trace_forward
 
 
@@ -71,3 +73,20 @@ def learn_placement(
     if costs is not None:
         rank_zero_info(describe_costs(costs, list(placement.counts), flops=flops))
     return placement
+
+
+def check_module(module: LightningModule, layers: str, balance: Balance, n_stages: int) -> None:
+    """What the module's structure allows, checked on every rank before any collective."""
+    n_layers = len(find_layers(module, layers))
+    resolve_balance("uniform" if isinstance(balance, str) else balance, n_layers, n_stages)
+
+
+def check_training_setup(module: LightningModule, schedule: str, n_microbatches: int | None, layout: Layout) -> None:
+    """What the Trainer's setup allows, checked on every rank before any collective."""
+    if not module.automatic_optimization:
+        raise PipelineConfigError(
+            "automatic_optimization=False (manual optimization) is not supported by PipelineStrategy: the strategy"
+            " runs forward and backward itself. Use automatic optimization."
+        )
+    if n_microbatches is not None:
+        check_microbatches(schedule, n_microbatches, layout.pp, layout.n_stages)

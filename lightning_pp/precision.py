@@ -38,10 +38,12 @@ def global_grad_norm(parameters: list[torch.nn.Parameter], group: dist.ProcessGr
 
 class _ClipByGlobalNorm:
     _pipeline_group: dist.ProcessGroup | None
+    _counted_elsewhere: frozenset[int] = frozenset()
 
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         parameters = list(self.main_params(optimizer))  # type: ignore[attr-defined]
-        total = global_grad_norm(parameters, self._pipeline_group)
+        counted = [p for p in parameters if id(p) not in self._counted_elsewhere]
+        total = global_grad_norm(counted, self._pipeline_group)
         clip_grads_with_norm_(parameters, clip_val, total)
 
 
@@ -75,6 +77,11 @@ def pipeline_precision(plugin: Precision, group: dist.ProcessGroup | None, devic
         derive(scaler, _OneVerdict)
         scaler.scale(torch.zeros((), device=device))
     return plugin
+
+
+def count_once(plugin: Precision, counted_elsewhere: frozenset[int]) -> None:
+    """Parameters several stages hold (see ``lightning_pp.tied``) enter the global norm on one rank only."""
+    plugin._counted_elsewhere = counted_elsewhere  # type: ignore[attr-defined]
 
 
 def grad_scaler(plugin: Precision) -> torch.amp.GradScaler | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -56,6 +57,29 @@ def find_layers(module: nn.Module, path: str) -> Layers:
 
 
 @dataclass(frozen=True)
+class Tie:
+    """One Parameter that more than one stage holds: a tied embedding and head, a part or loose parameter used
+    on several stages. ``names`` are all its names in the whole module, ``holders[i]`` the stages of
+    ``names[i]``."""
+
+    names: tuple[str, ...]
+    holders: tuple[tuple[int, ...], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(sorted({s for stages in self.holders for s in stages}))
+
+    @property
+    def source(self) -> int:
+        """The stage whose value one process ends with: it holds the first module (in ``named_modules`` order)
+        that owns the tensor, whose initialiser runs last."""
+        return self.holders[0][0]
+
+    def names_on(self, stage: int) -> list[str]:
+        return [n for n, stages in zip(self.names, self.holders) if stage in stages]
+
+
+@dataclass(frozen=True)
 class Placement:
     """Where every part of the module lives; the same on every rank."""
 
@@ -65,6 +89,7 @@ class Placement:
     # dotted name of each non-layer child module / loose parameter -> stages that keep it
     parts: dict[str, tuple[int, ...]] = field(default_factory=dict)
     params: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    ties: tuple[Tie, ...] = ()
 
     @property
     def n_stages(self) -> int:
@@ -91,6 +116,8 @@ class Placement:
                 n_params += obj.numel() if isinstance(obj, nn.Parameter) else sum(p.numel() for p in obj.parameters())
             span = f"{keys[0]}..{keys[-1]}" if len(keys) > 1 else keys[0]
             lines.append(f"  stage {s}: layers {span} ({len(keys)}), parts {parts or '-'}, {n_params:,} parameters")
+        for tie in self.ties:
+            lines.append(f"  shared by stages {list(tie.stages)} (gradients summed): {' = '.join(tie.names)}")
         return "\n".join(lines)
 
 
@@ -232,32 +259,29 @@ def plan_placement(
 
     placed_parts: dict[str, tuple[int, ...]] = {}
     for name, part in parts.items():
-        has_params = any(True for _ in part.parameters())
         if name in trace.uses:
-            stages = stages_at(trace.uses[name])
+            placed_parts[name] = stages_at(trace.uses[name])
         else:
             # never called by forward (loss modules, metrics): with parameters on the last stage, where the
             # step runs; without, on every stage, so that metrics mirrored from the last stage exist everywhere
-            stages = (n_stages - 1,) if has_params else tuple(range(n_stages))
-        if len(stages) > 1 and has_params and name in trace.uses:
-            raise PipelineConfigError(
-                f"'{name}' has parameters and forward uses it on stages {list(stages)}; parameters used by more"
-                " than one stage are not supported yet. Give each stage its own copy, or choose a balance"
-                " that keeps its uses on one stage."
-            )
-        placed_parts[name] = stages
-    placed_params: dict[str, tuple[int, ...]] = {}
-    for name in params:
-        stages = stages_at(trace.uses[name]) if name in trace.uses else (n_stages - 1,)
-        if len(stages) > 1:
-            raise PipelineConfigError(
-                f"The parameter '{name}' is used on stages {list(stages)}; a parameter shared by more than one"
-                " stage is not supported yet. Move it into the part (or layer) that uses it."
-            )
-        placed_params[name] = stages
+            has_params = any(True for _ in part.parameters())
+            placed_parts[name] = (n_stages - 1,) if has_params else tuple(range(n_stages))
+    placed_params = {name: stages_at(trace.uses[name]) if name in trace.uses else (n_stages - 1,) for name in params}
     placement = Placement(path, keys, tuple(counts), placed_parts, placed_params)
-    _reject_tied_parameters(module, placement)
-    return placement
+    return dataclasses.replace(placement, ties=find_ties(module, placement))
+
+
+def find_ties(module: nn.Module, placement: Placement) -> tuple[Tie, ...]:
+    """Every Parameter held by more than one stage, in the module's parameter order."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    ties = []
+    for names in by_id.values():
+        holders = tuple(_owner_stages(placement, n) for n in names)
+        if len({s for stages in holders for s in stages}) > 1:
+            ties.append(Tie(tuple(names), holders))
+    return tuple(ties)
 
 
 def _owner_stages(placement: Placement, name: str) -> tuple[int, ...]:
@@ -269,20 +293,6 @@ def _owner_stages(placement: Placement, name: str) -> tuple[int, ...]:
         if name == owner or name.startswith(owner + "."):
             return stages
     return tuple(range(placement.n_stages))
-
-
-def _reject_tied_parameters(module: nn.Module, placement: Placement) -> None:
-    by_id: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    for names in by_id.values():
-        stages = sorted({s for n in names for s in _owner_stages(placement, n)})
-        if len(names) > 1 and len(stages) > 1:
-            raise PipelineConfigError(
-                f"The parameters {names} are one tensor (tied weights) but live on stages {stages}; parameters"
-                " shared across stages (such as a tied embedding and head) are not supported yet. Untie them"
-                " (give the head its own weight) to train under the pipeline."
-            )
 
 
 def prune_to_stages(module: nn.Module, placement: Placement, stages: Sequence[int]) -> None:
@@ -333,6 +343,18 @@ def stage_view(module: nn.Module, placement: Placement, stages: Sequence[int]) -
         parent = child
     prune_to_stages(view, placement, stages)
     return view
+
+
+def replace_in_view(view: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Put ``param`` at the dotted parameter ``name`` of ``view`` only: the modules on the way are copied
+    shallowly, so the rank's module and its other stages' views keep what they had."""
+    *path, attr = name.split(".")
+    parent = view
+    for child in path:
+        copy = _shallow(parent._modules[child])  # type: ignore[arg-type]
+        parent._modules[child] = copy
+        parent = copy
+    parent._parameters[attr] = param
 
 
 def _shallow(module: nn.Module) -> nn.Module:

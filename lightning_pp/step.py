@@ -137,6 +137,7 @@ class PipelineRunner:
         entries: dict[str, nn.Module],
         replicas: dist.ProcessGroup | None = None,
         label: int = 0,
+        sum_shared: Callable[[], None] = lambda: None,
     ) -> None:
         self.module = module  # the rank's module (all its stages): the user's step runs on it
         self.stage_indices = [s.index for s in stages]
@@ -163,6 +164,7 @@ class PipelineRunner:
                 for wrapper in self._wrappers
             ]
         self._entries = entries
+        self._sum_shared = sum_shared  # gradients of parameters other stages hold too (see lightning_pp.tied)
         self._schedules: OrderedDict[tuple, _PipelineSchedule] = OrderedDict()
         self._current: _PipelineSchedule | None = None
         # per-step state used by the last stage's loss function
@@ -223,6 +225,7 @@ class PipelineRunner:
             with failures_shared(dist.get_rank(), dist.get_world_size()), self._tap.recording(), recording as events:
                 if train:
                     schedule.step(mb=sample_index, target=target, return_outputs=False)
+                    self._sum_shared()
                     if self._average_over is not None:
                         average_gradients(self.module.parameters(), self._average_over)
                 else:

@@ -22,7 +22,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -51,9 +51,9 @@ from lightning_pp.materialize import InitFn, check_initializers, check_materiali
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
 from lightning_pp.metrics import load_states, sync_metrics_over
 from lightning_pp.microbatch import batch_size_of, merge_microbatches
-from lightning_pp.partition import Balance, check_balance_mode, resolve_balance
-from lightning_pp.planning import learn_placement
-from lightning_pp.precision import loss_multiplier, pipeline_precision
+from lightning_pp.partition import Balance, check_balance_mode
+from lightning_pp.planning import check_module, check_training_setup, learn_placement
+from lightning_pp.precision import count_once, loss_multiplier, pipeline_precision
 from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.relay import ReportRelay, replay
 from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint, restore_stage
@@ -67,6 +67,7 @@ from lightning_pp.schedule import (
 from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
 from lightning_pp.step import LocalStage, PipelineRunner
 from lightning_pp.telemetry import Event
+from lightning_pp.tied import share_parameters
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -369,10 +370,12 @@ class PipelineStrategy(ParallelStrategy):
         sync_metrics_over(module, self._groups.dp)
         placement, stages = self._placement, self.layout.stages
         local = self._local_stages()
-        views = [LocalStage(s, stage_view(local, placement, [s]), placement.absent_on(s)) for s in stages]
+        views = {s: stage_view(local, placement, [s]) for s in stages}
+        shared = share_parameters(local, views, placement, self.layout)
+        count_once(self.precision_plugin, shared.counted_elsewhere)
         self._runner = PipelineRunner(
             local,
-            views,
+            [LocalStage(s, view, placement.absent_on(s)) for s, view in views.items()],
             self.n_stages,
             self.root_device,
             self._groups.pp,
@@ -380,6 +383,7 @@ class PipelineStrategy(ParallelStrategy):
             model_entries(local, self.layers),
             self._groups.dp,
             label=self.layout.pp_rank,
+            sum_shared=shared.sum_gradients,
         )
         layout = self.layout
         # P2P on NCCL needs device tensors
@@ -578,22 +582,6 @@ class PipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "pipeline_gpipe", cls, description="Pipeline parallelism with the GPipe schedule", schedule="gpipe"
         )
-
-
-def check_module(module: LightningModule, layers: str, balance: Balance, n_stages: int) -> None:
-    """What the module's structure allows, checked on every rank before any collective."""
-    n_layers = len(find_layers(module, layers))
-    resolve_balance("uniform" if isinstance(balance, str) else balance, n_layers, n_stages)
-
-
-def check_training_setup(module: LightningModule, schedule: str, n_microbatches: Optional[int], layout: Layout) -> None:
-    if not module.automatic_optimization:
-        raise PipelineConfigError(
-            "automatic_optimization=False (manual optimization) is not supported by PipelineStrategy: the strategy"
-            " runs forward and backward itself. Use automatic optimization."
-        )
-    if n_microbatches is not None:
-        check_microbatches(schedule, n_microbatches, layout.pp, layout.n_stages)
 
 
 def _unwrap(optimizer: Any) -> torch.optim.Optimizer:

@@ -31,6 +31,7 @@ from models import (  # noqa: E402
     ListGPT,
     NoSkipGPT,
     SequentialGPT,
+    TiedGPT,
     TinyGPT,
     TwiceGPT,
     WrappedGPT,
@@ -49,6 +50,7 @@ MODELS = {
     "list": ListGPT,
     "sequential": SequentialGPT,
     "delegating": DelegatingGPT,
+    "tied": TiedGPT,
 }
 
 
@@ -199,6 +201,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         order = [i for start in range(0, n, full) for k in reversed(range(start, min(start + full, n), batch))
                  for i in range(k, min(k + batch, n))]  # fmt: skip
         train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=order)
+    if cfg.get("replicas_order"):
+        # the samples Lightning's DistributedSampler gives pipeline replicas (or DDP), drawn by one process: with
+        # the replicas' combined batch each step sees the same samples as all replicas together
+        sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=1, rank=0, seed=cfg.get("seed", 0))
+        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
     if cfg.get("bad_sampler"):
         # shards by global rank: the stages of one pipeline replica would load different batches
         rank, world = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))), cfg["devices"]

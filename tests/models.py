@@ -289,3 +289,15 @@ class DelegatingGPT(ListGPT):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.body(tokens)
+
+
+class TiedGPT(ListGPT):
+    """GPT-2's tie: the head's weight is the embedding's, so the first and the last stage hold one tensor.
+    Every module has an initialiser: it can be built on meta."""
+
+    def make_net(self) -> Net:
+        net = InitNet(self.hparams.vocab, self.hparams.dim, self.hparams.n_layers, self.hparams.seq)
+        net.blocks = nn.ModuleList(net.blocks.values())
+        net.head = nn.Linear(self.hparams.dim, self.hparams.vocab, bias=False)  # nanoGPT's and GPT-2's head
+        net.head.weight = net.embed.weight
+        return net

@@ -11,7 +11,7 @@ from models import TinyGPT
 
 from lightning_pp import PipelineConfigError, PipelineStrategy
 from lightning_pp.mesh import make_layout
-from lightning_pp.strategy import check_module, check_training_setup
+from lightning_pp.planning import check_module, check_training_setup
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,11 @@ from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
 from lightning_pp.recompute import checkpoint_layers  # noqa: E402
 from lightning_pp.stage import (  # noqa: E402
+    Tie,
     find_layers,
     plan_placement,
     prune_to_stages,
+    replace_in_view,
     stage_view,
     trace_forward,
 )
@@ -100,14 +102,16 @@ def test_balance_parameters_moves_layers_away_from_a_heavy_head():
     assert place(model, "layers", 2, torch.zeros(1, 4, dtype=torch.long)).counts == (4, 4)
 
 
-def test_tied_embedding_and_head_are_refused():
+def test_a_tied_embedding_and_head_are_held_by_both_stages():
     model = GPT(n_layers=2)
     model.output.weight = model.tok_embeddings.weight
-    with pytest.raises(PipelineConfigError, match=r"tied weights.*Untie"):
-        place(model, "layers", 2, torch.zeros(1, 4, dtype=torch.long))
+    p = place(model, "layers", 2, torch.zeros(1, 4, dtype=torch.long))
+    assert p.ties == (Tie(("tok_embeddings.weight", "output.weight"), ((0,), (1,))),)
+    assert p.ties[0].source == 0 and p.ties[0].names_on(1) == ["output.weight"]
+    assert "shared by stages [0, 1] (gradients summed): tok_embeddings.weight = output.weight" in p.describe(model)
 
 
-def test_a_parameter_used_on_two_stages_is_refused():
+def test_a_parameter_used_on_two_stages_is_held_by_both():
     class Shared(HeadFirst):
         def __init__(self):
             super().__init__()
@@ -119,8 +123,19 @@ def test_a_parameter_used_on_two_stages_is_refused():
                 h = layer(h)
             return self.head(self.norm(h) * self.scale)
 
-    with pytest.raises(PipelineConfigError, match=r"'scale' is used on stages \[0, 1\]"):
-        place(Shared(), "layers", 2, torch.zeros(1, 3, dtype=torch.long))
+    p = place(Shared(), "layers", 3, torch.zeros(1, 3, dtype=torch.long))
+    assert p.params["scale"] == (0, 2) and p.ties == (Tie(("scale",), ((0, 2),)),)
+
+
+def test_a_stand_in_parameter_replaces_a_tied_one_in_one_view_only():
+    model = GPT(n_layers=4)
+    model.output.weight = model.tok_embeddings.weight
+    p = place(model, "layers", 2, torch.zeros(1, 4, dtype=torch.long))
+    first, last = stage_view(model, p, [0]), stage_view(model, p, [1])
+    stand_in = nn.Parameter(model.output.weight.detach())
+    replace_in_view(last, "output.weight", stand_in)
+    assert last.output.weight is stand_in and stand_in.data_ptr() == model.output.weight.data_ptr()
+    assert model.output.weight is model.tok_embeddings.weight is first.tok_embeddings.weight
 
 
 def test_layers_called_out_of_dict_order_are_refused():
