@@ -4,7 +4,8 @@ The user's step runs up to its model call on the first micro-batch; that call th
 device (parameters and buffers swapped to meta for the duration), so learning the structure costs
 no memory and no compute whether the module was built on meta or eagerly. A meta-built module whose
 forward needs data fails here, on every rank, before any collective; an eagerly built one is then
-traced for real on the CPU.
+traced for real on the CPU. Under ``split="trace"`` the placement comes from torch's tracer instead
+(see ``lightning_pp.traced``). The checks at the end run on every rank before any collective.
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.materialize import has_meta_tensors, on_meta
 from lightning_pp.mesh import Layout
-from lightning_pp.microbatch import capture_model_call, split_batch
+from lightning_pp.microbatch import ModelCall, capture_model_call, split_batch
 from lightning_pp.partition import Balance, resolve_balance
 from lightning_pp.profiling import agree, count_flops, describe_costs, profile_costs
 from lightning_pp.schedule import check_microbatches
 from lightning_pp.stage import Placement, find_layers, model_entries, plan_placement, trace_forward
+from lightning_pp.traced import Tracer, traced_placement
 
 
 def learn_placement(
@@ -37,12 +40,31 @@ def learn_placement(
     kwargs: dict,
     n_microbatches: int,
     device: torch.device,
-) -> Placement:
-    """Where each layer and part lives, the same on every rank; logged on rank 0."""
+    split: str = "prune",
+) -> tuple[Placement, Tracer | None]:
+    """Where each layer and part lives, the same on every rank; logged on rank 0. Under ``split="trace"`` also
+    the tracer that makes each batch signature's pieces."""
     first = split_batch(args[0], n_microbatches)[0]
     entries = model_entries(module, layers)
     call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
-    model = entries[call.entry]
+    tracer = None
+    if split == "trace":
+        placement, tracer = traced_placement(module, layers, n_stages, balance, call, module.training)
+    else:
+        placement = _learn_by_pruning(module, layers, n_stages, balance, entries[call.entry], call, device)
+    rank_zero_info(placement.describe(module))
+    return placement, tracer
+
+
+def _learn_by_pruning(
+    module: LightningModule,
+    layers: str,
+    n_stages: int,
+    balance: Balance,
+    model: nn.Module,
+    call: ModelCall,
+    device: torch.device,
+) -> Placement:
     forward = functools.partial(type(model).forward, model)
 
     def on_meta_inputs(run: Any) -> Any:
@@ -69,7 +91,6 @@ def learn_placement(
         else:
             costs = agree(profile_costs(module, blocks, forward, call.args, call.kwargs), device)
     placement = plan_placement(module, layers, n_stages, balance, trace, costs)
-    rank_zero_info(placement.describe(module))
     if costs is not None:
         rank_zero_info(describe_costs(costs, list(placement.counts), flops=flops))
     return placement
@@ -90,3 +111,16 @@ def check_training_setup(module: LightningModule, schedule: str, n_microbatches:
         )
     if n_microbatches is not None:
         check_microbatches(schedule, n_microbatches, layout.pp, layout.n_stages)
+
+
+def check_split(split: str, activation_checkpointing: bool) -> None:
+    if split not in ("prune", "trace"):
+        raise PipelineConfigError(
+            f"Unknown split={split!r}; use 'prune' (the user's forward on a module pruned to the stage, skipping None"
+            " parts) or 'trace' (torch's pipeline tracer splits the model at its layers)."
+        )
+    if split == "trace" and activation_checkpointing:
+        raise PipelineConfigError(
+            "activation_checkpointing=True is not supported with split='trace' yet (the traced pieces do not run the"
+            " layers' modules); use split='prune', or train without activation checkpointing."
+        )

@@ -148,7 +148,7 @@ def model_entries(module: nn.Module, path: str) -> dict[str, nn.Module]:
     return {prefix.rstrip("."): container for prefix, container in _containers(module, path)}
 
 
-def _parts_and_params(module: nn.Module, path: str) -> tuple[dict[str, nn.Module], dict[str, nn.Parameter]]:
+def parts_and_params(module: nn.Module, path: str) -> tuple[dict[str, nn.Module], dict[str, nn.Parameter]]:
     """Child modules and loose parameters beside the layers (on the root or on the path to them)."""
     on_path = {".".join(path.split(".")[: i + 1]) for i in range(len(path.split(".")))}
     parts: dict[str, nn.Module] = {}
@@ -181,7 +181,7 @@ class _ParamUse(TorchFunctionMode):
 def trace_forward(module: nn.Module, path: str, run_forward: Callable[[], Any]) -> _Trace:
     """Run one real forward and record when each layer, part and loose parameter is used."""
     layers = find_layers(module, path)
-    parts, params = _parts_and_params(module, path)
+    parts, params = parts_and_params(module, path)
     trace = _Trace()
     handles = []
 
@@ -232,7 +232,7 @@ def plan_placement(
             f"forward called the layers at {path!r} in the order {order}, but a pipeline runs them once each"
             f" in the container's order {list(keys)}; reorder the container or the loop in forward."
         )
-    parts, params = _parts_and_params(module, path)
+    parts, params = parts_and_params(module, path)
     n = len(keys)
 
     # cost model for balance="parameters": parts before the layers count on the first stage, after on

@@ -11,7 +11,6 @@ import contextlib
 import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,26 +35,51 @@ from lightning_pp.telemetry import Event, StepRecorder
 _MAX_CACHED_SHAPES = 4
 
 
-class _StageModule(nn.Module):
-    """What torch's PipelineStage runs: the user's ``forward`` on this rank's pruned module.
+class StageModule(nn.Module):
+    """What torch's PipelineStage runs for one of this rank's stages.
 
     torch only moves tensors, so the user's inputs (any pytree) stay here, looked up by the
     micro-batch's sample indices that travel as the ``mb`` keyword; the last stage keeps the real
     output (any pytree) for the user's step and gives torch its tensors.
     """
 
-    def __init__(self, module: nn.Module, is_last: bool, absent: list[str]) -> None:
+    def __init__(self, is_last: bool) -> None:
         super().__init__()
-        self.module = module
         self.is_last = is_last
-        self.absent = absent
         self.inputs: list[ModelCall] = []
         self.outputs: dict[int, Any] = {}
         self.mb_size = 1
 
-    def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
+    def call_of(self, mb: torch.Tensor) -> tuple[int, ModelCall]:
         index = int(mb[0]) // self.mb_size
-        entry, args, kwargs = self.inputs[index]
+        return index, self.inputs[index]
+
+    def keep_output(self, index: int, out: Any) -> tuple[torch.Tensor, ...] | torch.Tensor:
+        """On the last stage: ``out`` for the user's step, its tensors for torch."""
+        self.outputs[index] = out
+        tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        return tensors or torch.zeros(())
+
+
+StageModules = Callable[[bool, ModelCall], list[StageModule]]
+
+
+def pruned_stages(views: dict[int, nn.Module], absent: dict[int, list[str]], n_stages: int) -> StageModules:
+    """``split="prune"``: each stage runs the user's ``forward`` on its view, for every batch signature."""
+    modules: list[StageModule] = [_PrunedStage(view, s == n_stages - 1, absent[s]) for s, view in views.items()]
+    return lambda train, call: modules
+
+
+class _PrunedStage(StageModule):
+    """The user's ``forward`` on this rank's pruned module (a view holding one stage)."""
+
+    def __init__(self, module: nn.Module, is_last: bool, absent: list[str]) -> None:
+        super().__init__(is_last)
+        self.module = module
+        self.absent = absent
+
+    def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
+        index, (entry, args, kwargs) = self.call_of(mb)
         model = get_path(self.module, entry)
         if received:
             args, kwargs = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
@@ -70,9 +94,7 @@ class _StageModule(nn.Module):
                 " `h = self.embed(x) if self.embed is not None else x`."
             ) from error
         if self.is_last:
-            self.outputs[index] = out
-            tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-            return tensors or torch.zeros(())
+            return self.keep_output(index, out)
         if isinstance(out, torch.Tensor) or (
             isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out)
         ):
@@ -114,22 +136,14 @@ def _initialized(schedule: _PipelineSchedule) -> bool:
     return bool(forward) and (not schedule._has_backward or bool(backward))
 
 
-@dataclass(frozen=True)
-class LocalStage:
-    """One stage this rank runs: its index and a view of the rank's module holding only that stage."""
-
-    index: int
-    module: nn.Module
-    absent: list[str]
-
-
 class PipelineRunner:
     """Runs the user's steps through torch's schedule on this rank's stages."""
 
     def __init__(
         self,
         module: nn.Module,
-        stages: list[LocalStage],
+        stage_indices: list[int],
+        make_stages: StageModules,
         n_stages: int,
         device: torch.device,
         group: dist.ProcessGroup | None,
@@ -138,34 +152,28 @@ class PipelineRunner:
         replicas: dist.ProcessGroup | None = None,
         label: int = 0,
         sum_shared: Callable[[], None] = lambda: None,
+        overlap_replicas: bool = True,
     ) -> None:
         self.module = module  # the rank's module (all its stages): the user's step runs on it
-        self.stage_indices = [s.index for s in stages]
+        self.stage_indices = stage_indices
         self.n_stages = n_stages
         self.device = device
         self.group = group
         self.schedule_name = schedule
         self.is_last = n_stages - 1 in self.stage_indices
-        self._wrappers = [_StageModule(s.module, s.index == n_stages - 1, s.absent) for s in stages]
-        self._submodules: list[nn.Module] = list(self._wrappers)
-        # replicas whose gradients this runner averages itself after each step (see SPLIT_BACKWARD)
-        self._average_over = replicas if normalize_schedule(schedule) in SPLIT_BACKWARD else None
-        if replicas is not None and self._average_over is None:
-            # torch's stages drive DDP themselves: no sync while micro-batches accumulate, then the
-            # gradients are averaged over the replicas during the last micro-batch's backward
-            self._submodules = [
-                DistributedDataParallel(
-                    wrapper,
-                    process_group=replicas,
-                    device_ids=[device.index] if device.type == "cuda" else None,
-                    broadcast_buffers=False,
-                    find_unused_parameters=True,
-                )
-                for wrapper in self._wrappers
-            ]
+        self._make_stages = make_stages
+        self._wrappers: list[StageModule] = []  # the current schedule's
+        # replicas whose gradients this runner averages itself after each step (see SPLIT_BACKWARD); otherwise
+        # torch's stages drive DDP: no sync while micro-batches accumulate, then the gradients are averaged over
+        # the replicas during the last micro-batch's backward. DDP needs one wrapper per set of parameters:
+        # ``overlap_replicas=False`` where stage modules change with the batch signature (traced pieces).
+        overlap = overlap_replicas and normalize_schedule(schedule) not in SPLIT_BACKWARD
+        self._average_over = replicas if not overlap else None
+        self._replicas = replicas
+        self._ddp: dict[int, nn.Module] = {}
         self._entries = entries
         self._sum_shared = sum_shared  # gradients of parameters other stages hold too (see lightning_pp.tied)
-        self._schedules: OrderedDict[tuple, _PipelineSchedule] = OrderedDict()
+        self._schedules: OrderedDict[tuple, tuple[_PipelineSchedule, list[StageModule]]] = OrderedDict()
         self._current: _PipelineSchedule | None = None
         # per-step state used by the last stage's loss function
         self._step: Callable[..., Any] | None = None
@@ -208,6 +216,7 @@ class PipelineRunner:
             capture_model_call(self.module, self._entries, step, (mb, *rest), kwargs, hook) for mb in microbatches
         ]
         rows = batch_size_of(batch)
+        schedule, self._wrappers = self._schedule(train, n_microbatches, signature(batch), inputs[0])
         for wrapper in self._wrappers:
             wrapper.inputs, wrapper.mb_size = inputs, rows // n_microbatches
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
@@ -216,7 +225,6 @@ class PipelineRunner:
         self._recorder = LogRecorder(self._tap.paths)
         self._recorder.weight = float(rows // n_microbatches)
 
-        schedule = self._schedule(train, n_microbatches, signature(batch))
         self._current = schedule
         sample_index = torch.arange(rows)
         target = sample_index if self.is_last else None
@@ -229,7 +237,7 @@ class PipelineRunner:
                     if self._average_over is not None:
                         average_gradients(self.module.parameters(), self._average_over)
                 else:
-                    schedule.eval(mb=sample_index, target=target)
+                    schedule.eval(mb=sample_index, target=target, return_outputs=False)
             self.last_events = list(events)
         finally:
             for wrapper in self._wrappers:
@@ -242,23 +250,39 @@ class PipelineRunner:
         loss = torch.stack(losses).mean() if losses and len(losses) == n_microbatches else None
         return StepReport(loss, combine(self._recorder.records), self._tap.states())
 
-    def _schedule(self, train: bool, n_microbatches: int, shape_key: tuple) -> _PipelineSchedule:
+    def _schedule(
+        self, train: bool, n_microbatches: int, shape_key: tuple, call: ModelCall
+    ) -> tuple[_PipelineSchedule, list[StageModule]]:
         """Stages and a schedule per batch signature and mode: torch freezes shapes at first use."""
         key = (train, n_microbatches, shape_key)
-        schedule = self._schedules.get(key)
-        if schedule is None:
+        if key not in self._schedules:
+            wrappers = self._make_stages(train, call)
             stages = [
-                PipelineStage(sub, index, self.n_stages, self.device, group=self.group)
-                for sub, index in zip(self._submodules, self.stage_indices)
+                PipelineStage(self._replicated(w), index, self.n_stages, self.device, group=self.group)
+                for w, index in zip(wrappers, self.stage_indices)
             ]
             schedule = build_schedule(self.schedule_name, stages, n_microbatches, self._last_stage_loss, train)
             for chunk, stage in enumerate(stages):
                 self.recorder.instrument(stage, schedule, chunk)
-            self._schedules[key] = schedule
+            self._schedules[key] = (schedule, wrappers)
             while len(self._schedules) > _MAX_CACHED_SHAPES:
                 self._schedules.popitem(last=False)
         self._schedules.move_to_end(key)
-        return schedule
+        return self._schedules[key]
+
+    def _replicated(self, wrapper: StageModule) -> nn.Module:
+        """``wrapper`` under DDP when torch's stages average the replicas (one DDP per wrapper)."""
+        if self._replicas is None or self._average_over is not None:
+            return wrapper
+        if id(wrapper) not in self._ddp:
+            self._ddp[id(wrapper)] = DistributedDataParallel(
+                wrapper,
+                process_group=self._replicas,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                broadcast_buffers=False,
+                find_unused_parameters=True,
+            )
+        return self._ddp[id(wrapper)]
 
     def _last_stage_loss(self, output: Any, target: torch.Tensor) -> torch.Tensor:
         assert self._current is not None

@@ -52,7 +52,7 @@ from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, mak
 from lightning_pp.metrics import load_states, sync_metrics_over
 from lightning_pp.microbatch import batch_size_of, merge_microbatches
 from lightning_pp.partition import Balance, check_balance_mode
-from lightning_pp.planning import check_module, check_training_setup, learn_placement
+from lightning_pp.planning import check_module, check_split, check_training_setup, learn_placement
 from lightning_pp.precision import count_once, loss_multiplier, pipeline_precision
 from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.relay import ReportRelay, replay
@@ -65,9 +65,10 @@ from lightning_pp.schedule import (
     resolve_stages_per_rank,
 )
 from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
-from lightning_pp.step import LocalStage, PipelineRunner
+from lightning_pp.step import PipelineRunner, pruned_stages
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
+from lightning_pp.traced import Tracer
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -99,6 +100,7 @@ class PipelineStrategy(ParallelStrategy):
         stages_per_rank: Optional[int] = None,
         activation_checkpointing: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
+        split: Literal["prune", "trace"] = "prune",
         init_fn: Optional[InitFn] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
@@ -115,6 +117,7 @@ class PipelineStrategy(ParallelStrategy):
             )
         if isinstance(balance, str):
             check_balance_mode(balance)
+        check_split(split, activation_checkpointing)
         self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.layers = layers
@@ -122,6 +125,7 @@ class PipelineStrategy(ParallelStrategy):
         self.stages_per_rank = resolve_stages_per_rank(self.schedule, stages_per_rank)
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
+        self.split = split
         self.init_fn = init_fn
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
@@ -129,6 +133,7 @@ class PipelineStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._placement: Optional[Placement] = None
+        self._tracer: Optional[Tracer] = None
         self._runner: Optional[PipelineRunner] = None
         self._relay: Optional[ReportRelay] = None
         self._state_keys: list[str] = []
@@ -364,8 +369,8 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         if self._placement is None:
             m = self.microbatches_for(batch_size_of(args[0]))
-            self._placement = learn_placement(
-                module, self.layers, self.n_stages, self.balance, hook, args, kwargs, m, self.root_device
+            self._placement, self._tracer = learn_placement(
+                module, self.layers, self.n_stages, self.balance, hook, args, kwargs, m, self.root_device, self.split
             )
         sync_metrics_over(module, self._groups.dp)
         placement, stages = self._placement, self.layout.stages
@@ -375,7 +380,10 @@ class PipelineStrategy(ParallelStrategy):
         count_once(self.precision_plugin, shared.counted_elsewhere)
         self._runner = PipelineRunner(
             local,
-            [LocalStage(s, view, placement.absent_on(s)) for s, view in views.items()],
+            stages,
+            self._tracer.stages(views, self.root_device)
+            if self._tracer
+            else pruned_stages(views, {s: placement.absent_on(s) for s in stages}, self.n_stages),
             self.n_stages,
             self.root_device,
             self._groups.pp,
@@ -384,6 +392,7 @@ class PipelineStrategy(ParallelStrategy):
             self._groups.dp,
             label=self.layout.pp_rank,
             sum_shared=shared.sum_gradients,
+            overlap_replicas=self._tracer is None,
         )
         layout = self.layout
         # P2P on NCCL needs device tensors

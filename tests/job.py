@@ -25,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads are counted)
 from models import (  # noqa: E402
+    HFGPT2,
     DelegatingGPT,
+    HFGPT2Logits,
     InitGPT,
     ItemGPT,
     ListGPT,
@@ -51,6 +53,8 @@ MODELS = {
     "sequential": SequentialGPT,
     "delegating": DelegatingGPT,
     "tied": TiedGPT,
+    "gpt2": HFGPT2,
+    "gpt2_logits": HFGPT2Logits,
 }
 
 
@@ -225,6 +229,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             stages_per_rank=cfg.get("stages_per_rank"),
             activation_checkpointing=cfg.get("activation_checkpointing", False),
             state_dict_type=cfg.get("state_dict_type", "full"),
+            split=cfg.get("split", "prune"),
             pipeline_parallel_size=cfg.get("pp"),
             timeout=cfg.get("timeout", 60),
         )

@@ -301,3 +301,47 @@ class TiedGPT(ListGPT):
         net.head = nn.Linear(self.hparams.dim, self.hparams.vocab, bias=False)  # nanoGPT's and GPT-2's head
         net.head.weight = net.embed.weight
         return net
+
+
+class HFGPT2(L.LightningModule):
+    """Hugging Face's ``GPT2LMHeadModel`` from a tiny config (no download), unchanged: its forward skips no part,
+    ties the embedding to the head and (``labels=``) computes its own loss; or the step computes cross-entropy
+    from ``.logits`` (``logits=True``)."""
+
+    def __init__(
+        self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", logits: bool = False, **_: object
+    ) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        self.save_hyperparameters()
+        config = GPT2Config(
+            vocab_size=32, n_positions=8, n_embd=32, n_layer=n_layers, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.model = GPT2LMHeadModel(config)
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        tokens, targets = batch["tokens"], batch["targets"]
+        if self.hparams.logits:
+            return F.cross_entropy(self.model(input_ids=tokens).logits.flatten(0, 1), targets.flatten())
+        return self.model(input_ids=tokens, labels=targets).loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        self.log("train_max", loss, reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
+class HFGPT2Logits(HFGPT2):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**{**kwargs, "logits": True})
