@@ -45,16 +45,32 @@ _ALTERNATIVES = (
 )
 
 
+_Key = tuple[int, int]  # (stage, index): one output of one traced piece
+
+
 @dataclass(frozen=True)
 class _Trace:
-    """The tracer's pieces (on meta) and how to feed and read them."""
+    """The tracer's pieces (on meta) and how values flow between them.
+
+    torch's manual ``PipelineStage`` receives from the previous stage only, but a traced graph may hand a
+    value (an attention mask, position ids) from one piece to several later ones: each stage sends on what
+    later stages need (``carry``), its own outputs and what it received.
+    """
 
     pieces: list[nn.Module]
-    # for each piece, where each of its inputs comes from: ("act", index into what the previous stage sent)
-    # or ("root", the name of the model's forward parameter it is)
+    # each piece's inputs: ("act", (stage, index)) an earlier piece's output, or ("root", the forward parameter)
     sources: list[list[tuple[str, Any]]]
-    outputs: list[int]  # the last piece's outputs, in the order of the model output's leaves
+    carry: list[list[_Key]]  # what stage s sends to stage s + 1
+    outputs: list[_Key]  # the model output's leaves, in order
     out_spec: TreeSpec
+
+    def run(self, stage: int, received: tuple, bound: dict[str, Any], piece: nn.Module | None = None) -> dict:
+        """Stage ``stage`` on what it received and the call's inputs: every value it knows, by key."""
+        values = dict(zip(self.carry[stage - 1], received)) if stage else {}
+        inputs = [values[ref] if kind == "act" else bound[ref] for kind, ref in self.sources[stage]]
+        out = (piece or self.pieces[stage])(*inputs)
+        values.update({(stage, k): v for k, v in enumerate(out if isinstance(out, tuple) else (out,))})
+        return values
 
 
 class Tracer:
@@ -163,12 +179,12 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
         pieces = [pipe.split_gm.get_submodule(f"submod_pp_{i}") for i in range(pipe.num_stages)]
         if len(pieces) != n_stages:
             raise PipelineConfigError(f"the tracer made {len(pieces)} pieces, not {n_stages}")
-        sources, outputs = _wiring(pipe.split_gm.graph)
+        trace = _Trace(pieces, *_wiring(pipe.split_gm.graph), out_spec)
         bound = _bind(skeleton, args, kwargs)
         received: tuple = ()
-        for piece, wants in zip(pieces, sources):  # run once on meta: torch's split can miswire a graph
-            out = piece(*[received[k] if kind == "act" else bound[k] for kind, k in wants])
-            received = out if isinstance(out, tuple) else (out,)
+        for stage in range(n_stages):  # once on meta: torch's split can miswire a graph (HF Llama's rotary)
+            values = trace.run(stage, received, bound)
+            received = tuple(values[key] for key in (trace.carry + [trace.outputs])[stage])
     except PipelineConfigError:
         raise
     except Exception as error:
@@ -184,30 +200,29 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
         hook.remove()
         for point in split_points:  # pipeline() wraps the split modules' forward
             skeleton.get_submodule(point).__dict__.pop("forward", None)
-    return _Trace(pieces, sources, outputs, out_spec)
+    return trace
 
 
-def _wiring(graph: fx.Graph) -> tuple[list[list[tuple[str, Any]]], list[int]]:
-    """From the tracer's root graph: each piece's inputs (previous stage's outputs, or the model's inputs by
-    name), and which of the last piece's outputs make up the model's output, in order."""
+def _wiring(graph: fx.Graph) -> tuple[list[list[tuple[str, Any]]], list[list[_Key]], list[_Key]]:
+    """From the tracer's root graph: each piece's inputs, what each stage sends on, the output's leaves."""
     stage_of = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "call_module")}
 
-    def source(node: fx.Node, consumer: int) -> tuple[str, Any]:
+    def source(node: fx.Node) -> tuple[str, Any]:
         if node.op == "placeholder":
             return ("root", node.target)
         producer, index = (node.args[0], node.args[1]) if node.target is operator.getitem else (node, 0)
-        if stage_of.get(producer) != consumer - 1:  # type: ignore[arg-type]
-            raise PipelineConfigError(
-                f"the traced graph passes {node.name} from a stage to a later one that is not the next; pipelining"
-                " sends activations from each stage to the next only"
-            )
-        return ("act", index)
+        return ("act", (stage_of[producer], index))  # type: ignore[index]
 
-    sources = [[source(a, i) for a in node.args] for node, i in stage_of.items()]  # type: ignore[arg-type]
+    sources = [[source(a) for a in node.args] for node in stage_of]  # type: ignore[arg-type]
     (result,) = (n for n in graph.nodes if n.op == "output")
     leaves = result.args[0] if isinstance(result.args[0], (tuple, list)) else (result.args[0],)
-    outputs = [source(leaf, len(stage_of))[1] for leaf in leaves]
-    return sources, outputs
+    outputs = [source(leaf)[1] for leaf in leaves]  # type: ignore[arg-type]
+    n = len(stage_of)
+    # a value crosses boundary b when a piece after it (or the output, "piece n") uses a value made up to b
+    uses = [(consumer, ref) for consumer, wants in enumerate(sources) for kind, ref in wants if kind == "act"]
+    uses += [(n, ref) for ref in outputs]
+    carry = [sorted({ref for consumer, ref in uses if ref[0] <= b < consumer}) for b in range(n - 1)]
+    return sources, carry, outputs
 
 
 def _bind(model: nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -261,14 +276,13 @@ class _TracedStage(StageModule):
         super().__init__(is_last=index == len(trace.pieces) - 1)
         self.piece = piece
         self._model = [model]  # for its forward's signature (a list: not a submodule)
-        self.sources = trace.sources[index]
-        self._outputs, self._out_spec = trace.outputs, trace.out_spec
+        self.stage, self._trace = index, trace
 
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
         index, (_, args, kwargs) = self.call_of(mb)
-        bound = _bind(self._model[0], args, kwargs) if any(kind == "root" for kind, _ in self.sources) else {}
-        out = self.piece(*[received[k] if kind == "act" else bound[k] for kind, k in self.sources])
-        flat = out if isinstance(out, tuple) else (out,)
+        trace = self._trace
+        bound = _bind(self._model[0], args, kwargs) if any(k == "root" for k, _ in trace.sources[self.stage]) else {}
+        values = trace.run(self.stage, received, bound, self.piece)
         if self.is_last:
-            return self.keep_output(index, tree_unflatten([flat[k] for k in self._outputs], self._out_spec))
-        return flat
+            return self.keep_output(index, tree_unflatten([values[k] for k in trace.outputs], trace.out_spec))
+        return tuple(values[key] for key in trace.carry[self.stage])

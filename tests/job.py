@@ -27,7 +27,9 @@ import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads a
 from models import (  # noqa: E402
     HFGPT2,
     DelegatingGPT,
+    HFGPT2Cache,
     HFGPT2Logits,
+    HFGPT2Twice,
     InitGPT,
     ItemGPT,
     ListGPT,
@@ -55,6 +57,8 @@ MODELS = {
     "tied": TiedGPT,
     "gpt2": HFGPT2,
     "gpt2_logits": HFGPT2Logits,
+    "gpt2_twice": HFGPT2Twice,
+    "gpt2_cache": HFGPT2Cache,
 }
 
 

@@ -345,3 +345,18 @@ class HFGPT2(L.LightningModule):
 class HFGPT2Logits(HFGPT2):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**{**kwargs, "logits": True})
+
+
+class HFGPT2Twice(HFGPT2):
+    """Calls the model twice in one step, which a pipeline cannot run."""
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch) + self._loss(batch)
+
+
+class HFGPT2Cache(HFGPT2):
+    """GPT-2 with its default ``use_cache=True``."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.model.config.use_cache = True

@@ -1,0 +1,79 @@
+"""``split="trace"``: Hugging Face's GPT2LMHeadModel, unchanged (a forward that skips no part, a tied embedding
+and head, the loss computed inside the model), trains as one process trains it; and what cannot be traced fails
+on every rank with the fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ok, run_job
+from models import HFGPT2, HFGPT2Cache
+from test_parity import LOSS_TOL, assert_same_logs, common
+from torch import nn
+
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.microbatch import ModelCall
+from lightning_pp.traced import traced_placement
+
+GPT2 = dict(model="gpt2", layers="model.transformer.h", split="trace", optimizer="sgd", lr=0.5, n_val=16)
+TIE = ("model.transformer.wte.weight", "model.lm_head.weight")
+
+SCENARIOS = {
+    # labels= reach the last stage from the local batch; 36 samples: the last batch (4) is traced again
+    "labels-1f1b-2": dict(GPT2, schedule="1f1b", devices=2, m=2, batch=8, n_train=36),
+    # 3 stages, default micro-batches (6 per batch of 6, 4 for the last batch of 4)
+    "labels-gpipe-3": dict(GPT2, schedule="gpipe", devices=3, m=None, batch=6, n_train=40, n_val=12),
+    # the step's own cross-entropy from .logits; ZBV puts the embedding's and the head's stage on rank 0
+    "logits-zbv-4": dict(GPT2, model="gpt2_logits", schedule="zbv", devices=2, m=4, batch=8, n_train=32),
+}
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_hf_gpt2_traced_trains_as_one_process(name, tmp_path, reference):
+    cfg = SCENARIOS[name]
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    ref = reference(**common(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert job.output.count("shared by stages") == 1, job.output[-3000:]  # the tie, in the placement log
+    state = job.state()
+    assert state.keys() == ref["state"].keys()
+    worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
+    assert worst <= 1e-5, worst
+    assert torch.equal(state[TIE[0]], state[TIE[1]])
+    held = [set(job.rank(r)["params"]) for r in range(cfg["devices"])]
+    # every rank freed what its stages do not hold: each layer on one rank, the tied weight on its holders
+    assert sum(map(len, held)) <= len(set().union(*held)) + 1
+    assert HFGPT2.load_from_checkpoint(job.out / "final.ckpt").model.lm_head.weight.shape == (32, 32)
+
+
+def test_what_cannot_be_traced_fails_on_every_rank_with_the_fix(tmp_path):
+    for model, message in [
+        ("gpt2_cache", "config.use_cache=True"),
+        ("gpt2_twice", "calls the model more than once"),
+    ]:
+        cfg = dict(GPT2, model=model, schedule="1f1b", devices=2, m=2, batch=8, n_train=16, timeout=30)
+        job = run_job({**cfg, "strategy": "pipeline"}, tmp_path / model, timeout=120, launcher=True)
+        assert job.returncode != 0 and job.seconds < 90, job.output[-3000:]
+        assert message in job.output, job.output[-3000:]
+
+
+class Branchy(nn.Module):
+    """A forward whose control flow depends on values: it cannot be traced into a graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x) if x.sum() > 0 else -layer(x)
+        return x
+
+
+def test_a_model_that_cannot_be_split_names_the_model_and_the_alternatives():
+    with pytest.raises(PipelineConfigError, match=r"cannot trace and split Branchy.*split='prune'"):
+        traced_placement(Branchy(), "layers", 2, None, ModelCall("", (torch.ones(2, 4),), {}), True)
+    with pytest.raises(PipelineConfigError, match=r"use_cache=False"):
+        model = HFGPT2Cache()
+        call = ModelCall("model", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+        traced_placement(model, "model.transformer.h", 2, None, call, True)
