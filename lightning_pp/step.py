@@ -91,7 +91,8 @@ class _PrunedStage(StageModule):
             raise PipelineConfigError(
                 f"forward failed on this pipeline stage ({error}). Here {self.absent} are None because other stages"
                 " hold them; forward must skip parts that are None, e.g."
-                " `h = self.embed(x) if self.embed is not None else x`."
+                " `h = self.embed(x) if self.embed is not None else x`, or pass PipelineStrategy(split='trace') to"
+                " have torch's tracer split the model as it is (Hugging Face and nanoGPT-style models)."
             ) from error
         if self.is_last:
             return self.keep_output(index, out)

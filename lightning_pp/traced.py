@@ -98,7 +98,7 @@ class Tracer:
 
     def names_per_stage(self, trace: _Trace) -> list[set[str]]:
         """The whole module's names of the parameters and buffers each stage's piece uses."""
-        return [{self._prefix + n for n, _ in _tensors(piece)} for piece in trace.pieces]
+        return [{self._prefix + n for n in _used(piece)} for piece in trace.pieces]
 
     def stages(self, views: dict[int, nn.Module], device: torch.device) -> StageModules:
         """This rank's stage modules for a batch: its pieces of that batch's trace, holding the real tensors."""
@@ -188,9 +188,10 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
     except PipelineConfigError:
         raise
     except Exception as error:
-        cause = error
-        while cause.__cause__ is not None:  # torch wraps the tracer's own error in a generic one
-            cause = cause.__cause__  # type: ignore[assignment]
+        cause, inner = error, error.__cause__
+        while inner is not None:  # torch wraps the tracer's own error in a generic one
+            cause = inner if str(inner).strip() else cause  # type: ignore[assignment]
+            inner = inner.__cause__
         reason = (str(cause).strip().splitlines() or [""])[0]
         raise PipelineConfigError(
             f"split='trace' cannot trace and split {name} with torch.distributed.pipelining ({type(cause).__name__}:"
@@ -239,14 +240,40 @@ def _tensors(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     return chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
 
 
+def _used(module: nn.Module, prefix: str = "") -> set[str]:
+    """Names of the parameters and buffers (and graph constants) that ``module``'s graphs reach."""
+    graph = getattr(module, "graph", None)
+    if not isinstance(graph, fx.Graph):  # a module the trace kept whole
+        return {prefix + n for n, _ in _tensors(module)}
+    used: set[str] = set()
+    for node in graph.nodes:
+        if node.op not in ("call_module", "get_attr"):
+            continue
+        target = str(node.target)
+        path, _, attr = target.rpartition(".")
+        obj = getattr(module.get_submodule(path), attr)
+        if isinstance(obj, nn.Module):
+            used |= _used(obj, prefix + target + ".")
+        else:
+            used.add(prefix + target)
+    return used
+
+
 def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device) -> nn.Module:
-    """``piece`` holding the view's real tensors under the same names, and running on ``device``."""
+    """``piece`` holding the view's real tensors under the same names, and running on ``device``.
+
+    A tensor the piece's graphs never use (the tracer leaves the first piece a stray reference to a tied
+    weight) is dropped, so that no meta tensor remains among the stage's parameters.
+    """
+    used = _used(piece)
     for name, _ in list(_tensors(piece)):
         *path, attr = name.split(".")
         owner = piece.get_submodule(".".join(path))
-        real = get_path(view, prefix + name)
         slots = owner._parameters if attr in owner._parameters else owner._buffers
-        slots[attr] = real
+        if name in used:
+            slots[attr] = get_path(view, prefix + name)
+        else:
+            del slots[attr]
     for sub in piece.modules():
         graph = getattr(sub, "graph", None)
         if isinstance(graph, fx.Graph):

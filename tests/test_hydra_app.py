@@ -46,6 +46,7 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["model=gpt_small"],
         ["model=gpt_large", "strategy.state_dict_type=sharded"],
         ["model=digits_mlp", "data=digits"],
+        ["model=gpt2_tiny"],
         ["trainer=gpu"],
         ["trainer=cpu_fp16"],
         ["trainer=slurm", "hydra/launcher=slurm"],
@@ -58,8 +59,10 @@ def test_every_config_group_composes(overrides):
     assert cfg.strategy._target_ == "lightning_pp.PipelineStrategy"
     assert set(cfg.strategy) - {"_target_"} == {
         "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
-        "activation_checkpointing", "state_dict_type", "init_fn", "timeout",
+        "activation_checkpointing", "state_dict_type", "split", "init_fn", "timeout",
     }  # fmt: skip
+    if "model=gpt2_tiny" in overrides:  # the model's config sets how the strategy splits it
+        assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.transformer.h")
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
     if "trainer=cpu_fp16" in overrides:  # real fp16 on the CPU: the plugin, not the flag (Lightning would use bf16)
         (plugin,) = instantiate(cfg.trainer.plugins)
@@ -104,6 +107,18 @@ def test_default_job_writes_results_and_learns(tmp_path):
     for rank in range(2):
         info = json.loads((run_dir / f"rank{rank}.json").read_text())
         assert info["world_size"] == 2 and info["strategy"]["schedule"] == "1f1b" and info["threads"] == 1
+
+
+def test_hf_gpt2_trains_through_the_app_split_by_the_tracer(tmp_path):
+    # built on meta by the app, traced on meta, each rank materialising its stage by HF's own init rule
+    run_dir = tmp_path / "run"
+    proc = app([*QUICK, "model=gpt2_tiny", "trainer.limit_train_batches=12", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "shared by stages [0, 1] (gradients summed): model.transformer.wte.weight = model.lm_head.weight" in (
+        proc.stdout + proc.stderr
+    )
+    losses = logged_losses(run_dir)
+    assert losses[-1] < losses[0] - 0.5, losses
 
 
 def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):

@@ -10,6 +10,7 @@ from conftest import ok, run_job
 from models import HFGPT2, HFGPT2Cache
 from test_parity import LOSS_TOL, assert_same_logs, common
 from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import ModelCall
@@ -73,7 +74,11 @@ class Branchy(nn.Module):
 def test_a_model_that_cannot_be_split_names_the_model_and_the_alternatives():
     with pytest.raises(PipelineConfigError, match=r"cannot trace and split Branchy.*split='prune'"):
         traced_placement(Branchy(), "layers", 2, None, ModelCall("", (torch.ones(2, 4),), {}), True)
+    # HF Llama traces, but torch 2.13's split miswires its rotary embedding: caught by a run on meta
+    config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, use_cache=False)
+    call = ModelCall("", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+    with pytest.raises(PipelineConfigError, match=r"cannot trace and split LlamaForCausalLM.*unsqueeze"):
+        traced_placement(LlamaForCausalLM(config), "model.layers", 2, None, call, True)
     with pytest.raises(PipelineConfigError, match=r"use_cache=False"):
         model = HFGPT2Cache()
-        call = ModelCall("model", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
-        traced_placement(model, "model.transformer.h", 2, None, call, True)
+        traced_placement(model, "model.transformer.h", 2, None, call._replace(entry="model"), True)
