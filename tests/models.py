@@ -360,3 +360,40 @@ class HFGPT2Cache(HFGPT2):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self.model.config.use_cache = True
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.ln_1, self.ln_2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, n_heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln_1(x)
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        x = x + self.attn(h, h, h, attn_mask=causal, need_weights=False)[0]
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    """nanoGPT's shape: ``transformer`` a ModuleDict (wte, wpe, h, ln_f), a tied ``lm_head``, positions from
+    ``torch.arange`` and the loss computed in forward when targets are given; forward skips no part."""
+
+    def __init__(self, vocab: int = 32, dim: int = 32, n_layers: int = 4, seq: int = 8) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            dict(wte=nn.Embedding(vocab, dim), wpe=nn.Embedding(seq, dim),
+                 h=nn.ModuleList(NanoBlock(dim, 4) for _ in range(n_layers)), ln_f=nn.LayerNorm(dim))
+        )  # fmt: skip
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return logits, loss

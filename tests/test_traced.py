@@ -7,13 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFGPT2, HFGPT2Cache
+from models import HFGPT2, HFGPT2Cache, NanoGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import ModelCall
+from lightning_pp.stage import stage_view
 from lightning_pp.traced import traced_placement
 
 GPT2 = dict(model="gpt2", layers="model.transformer.h", split="trace", optimizer="sgd", lr=0.5, n_val=16)
@@ -82,3 +83,32 @@ def test_a_model_that_cannot_be_split_names_the_model_and_the_alternatives():
     with pytest.raises(PipelineConfigError, match=r"use_cache=False"):
         model = HFGPT2Cache()
         traced_placement(model, "model.transformer.h", 2, None, call._replace(entry="model"), True)
+
+
+def chain(model: nn.Module, layers: str, n_stages: int, call: ModelCall):
+    """The traced pieces of every stage, run one after another in this process as the pipeline runs them."""
+    placement, tracer = traced_placement(model, layers, n_stages, None, call, model.training)
+    views = {s: stage_view(model, placement, [s]) for s in range(n_stages)}
+    stages = tracer.stages(views, torch.device("cpu"))(model.training, call)
+    received: tuple = ()
+    for stage in stages:
+        stage.inputs, stage.mb_size = [call], 1
+        received = stage(*received, mb=torch.zeros(1))
+    return placement, stages[-1].outputs[0]
+
+
+def test_a_nanogpt_shaped_model_traces_into_exact_pieces():
+    # nanoGPT ties the head's weight to the embedding the other way round, and computes positions with arange
+    torch.manual_seed(0)
+    model = NanoGPT()
+    tokens, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    placement, (logits, loss) = chain(model, "transformer.h", 3, ModelCall("", (tokens, targets), {}))
+    eager_logits, eager_loss = model(tokens, targets)
+    assert torch.equal(logits, eager_logits) and torch.equal(loss, eager_loss)
+    loss.backward()
+    traced = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    eager_loss.backward()
+    assert max((traced[n] - p.grad).abs().max().item() for n, p in model.named_parameters()) < 1e-6
+    (tie,) = placement.ties
+    assert tie.names == ("transformer.wte.weight", "lm_head.weight") and tie.stages == (0, 2)
