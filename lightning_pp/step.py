@@ -29,7 +29,7 @@ from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call
 from lightning_pp.profiling import sum_of_outputs
 from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import SPLIT_BACKWARD, build_schedule, normalize_schedule
-from lightning_pp.stage import get_path, patched, running_stages
+from lightning_pp.stage import Placement, get_path, patched, running_stages
 from lightning_pp.telemetry import Event, StepRecorder
 
 _MAX_CACHED_SHAPES = 4
@@ -64,9 +64,10 @@ class StageModule(nn.Module):
 StageModules = Callable[[bool, ModelCall], list[StageModule]]
 
 
-def pruned_stages(views: dict[int, nn.Module], absent: dict[int, list[str]], n_stages: int) -> StageModules:
+def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageModules:
     """``split="prune"``: each stage runs the user's ``forward`` on its view, for every batch signature."""
-    modules: list[StageModule] = [_PrunedStage(view, s == n_stages - 1, absent[s]) for s, view in views.items()]
+    last = placement.n_stages - 1
+    modules: list[StageModule] = [_PrunedStage(v, s == last, placement.absent_on(s)) for s, v in views.items()]
     return lambda train, call: modules
 
 

@@ -86,6 +86,10 @@ class PipelineStrategy(ParallelStrategy):
     stage on its device, initialised by the name rule (see :func:`lightning_pp.materialize`, and
     ``init_fn`` for modules without ``reset_parameters``), and reads only its own tensors when
     resuming. An eagerly built module is pruned to the rank's stage before it is moved to the device.
+
+    ``split="trace"`` serves forwards that use every part (Hugging Face, nanoGPT): torch's tracer splits the
+    model at the same layer boundaries. A Parameter several stages use (a tied embedding and head) lives on
+    each of them, its gradients summed over them after every backward.
     """
 
     strategy_name = "pipeline"
@@ -378,12 +382,11 @@ class PipelineStrategy(ParallelStrategy):
         views = {s: stage_view(local, placement, [s]) for s in stages}
         shared = share_parameters(local, views, placement, self.layout)
         count_once(self.precision_plugin, shared.counted_elsewhere)
+        make_stages = self._tracer.stages(views, self.root_device) if self._tracer else pruned_stages(views, placement)
         self._runner = PipelineRunner(
             local,
             stages,
-            self._tracer.stages(views, self.root_device)
-            if self._tracer
-            else pruned_stages(views, {s: placement.absent_on(s) for s in stages}, self.n_stages),
+            make_stages,
             self.n_stages,
             self.root_device,
             self._groups.pp,

@@ -132,10 +132,9 @@ def traced_placement(
         raise PipelineConfigError(f"The step calls '{call.entry}', which does not hold the layers at {layers!r}.")
     tracer = Tracer(module, call.entry, layers, counts)
     held = tracer.names_per_stage(tracer.trace(train, call))
-    layer_stage = stage_of_each_layer(counts)
-    for key, stage in zip(keys, layer_stage):
-        names = {f"{layers}.{key}.{n}" for n, _ in _tensors(find_layers(module, layers)[key])}
-        if not names <= held[stage]:
+    for (key, layer), stage in zip(find_layers(module, layers).items(), stage_of_each_layer(counts)):
+        names = {f"{layers}.{key}.{n}" for n, _ in _tensors(layer)}
+        if not {s for s in range(n_stages) if names & held[s]} <= {stage}:
             raise PipelineConfigError(
                 f"The traced pieces do not split {type(tracer.skeleton).__name__} at its layers: layer {key!r} of"
                 f" {layers!r} should be on stage {stage}. Pass the container whose entries forward calls one after"

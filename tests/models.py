@@ -186,7 +186,20 @@ class Core(nn.Module):
         return self.head(h) if self.head is not None else h
 
 
-class WrappedGPT(L.LightningModule):
+class LossSteps(L.LightningModule):
+    """Steps that log the loss of ``self._loss(batch)``, the way the test jobs read it."""
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        self.log("train_max", loss, reduce_fx="max")
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch))
+
+
+class WrappedGPT(LossSteps):
     """Keeps the network in ``self.model`` and calls ``self.model(x, scale)`` from a tuple-batch step."""
 
     def __init__(self, n_layers: int = 4, lr: float = 1e-2, **_: object) -> None:
@@ -198,15 +211,6 @@ class WrappedGPT(L.LightningModule):
         tokens, targets = batch["tokens"], batch["targets"]
         scale = torch.full((tokens.shape[0], 1, 1), 0.9)
         return F.cross_entropy(self.model(tokens, scale).flatten(0, 1), targets.flatten())
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        self.log("train_max", loss, reduce_fx="max")
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch))
 
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=self.lr)
@@ -303,7 +307,7 @@ class TiedGPT(ListGPT):
         return net
 
 
-class HFGPT2(L.LightningModule):
+class HFGPT2(LossSteps):
     """Hugging Face's ``GPT2LMHeadModel`` from a tiny config (no download), unchanged: its forward skips no part,
     ties the embedding to the head and (``labels=``) computes its own loss; or the step computes cross-entropy
     from ``.logits`` (``logits=True``)."""
@@ -326,15 +330,6 @@ class HFGPT2(L.LightningModule):
         if self.hparams.logits:
             return F.cross_entropy(self.model(input_ids=tokens).logits.flatten(0, 1), targets.flatten())
         return self.model(input_ids=tokens, labels=targets).loss
-
-    def training_step(self, batch, batch_idx):
-        loss = self._loss(batch)
-        self.log("train_loss", loss)
-        self.log("train_max", loss, reduce_fx="max")
-        return loss
-
-    def validation_step(self, batch, batch_idx):
-        self.log("val_loss", self._loss(batch))
 
     def configure_optimizers(self):
         if self.hparams.optimizer == "sgd":

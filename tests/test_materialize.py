@@ -50,7 +50,7 @@ def test_each_stage_gets_the_whole_models_initial_weights(n_stages):
     seen: dict[str, torch.Tensor] = {}
     for stage in range(n_stages):
         model = meta_gpt()
-        placement = learn_placement(
+        placement, _ = learn_placement(
             model, "layers", n_stages, None, "training_step", (batch(), 0), {}, 2, torch.device("cpu")
         )
         prune_to_stages(model, placement, [stage])
@@ -118,7 +118,7 @@ def test_a_forward_that_reads_values_cannot_be_traced_on_meta():
     # its forward needs values
     for eager in (InitGPT(), ItemGPT()):
         before = {k: v.clone() for k, v in eager.state_dict().items()}
-        placement = learn_placement(eager, "net.blocks", 2, None, "training_step", (tokens, 0), {}, 2, CPU)
+        placement, _ = learn_placement(eager, "net.blocks", 2, None, "training_step", (tokens, 0), {}, 2, CPU)
         assert placement.counts == (2, 2)
         assert all(torch.equal(before[k], v) and not v.is_meta for k, v in eager.state_dict().items())
 
