@@ -10,9 +10,7 @@ whole module and an optimizer that still holds every parameter.
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from lightning_pp.swap import fault_point
 
 
 @dataclass(frozen=True)
@@ -101,39 +101,6 @@ def gather_optimizer_state(
     return {"state": dict(sorted(merged.items())), "param_groups": param_groups}
 
 
-# A deterministic fault for tests of torn checkpoints: "<rank>:<n>" kills that rank during its n-th
-# save, after its part is written and before the checkpoint is renamed into place.
-FAULT_ENV = "LIGHTNING_PP_KILL_DURING_SAVE"
-_saves = 0
-
-
-def fault_point(rank: int) -> None:
-    global _saves
-    _saves += 1
-    if os.environ.get(FAULT_ENV) == f"{rank}:{_saves}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def partial_path(path: Path) -> Path:
-    """Where a checkpoint is written before every rank has confirmed its part."""
-    return path.with_name(f".{path.name}.partial")
-
-
-def replace_atomically(partial: Path, path: Path) -> None:
-    """Move a finished checkpoint (file or directory) into place; an existing one stays until then."""
-    if partial.is_dir() and path.exists():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(partial, path)
-        if old.is_dir():
-            shutil.rmtree(old)
-        else:
-            old.unlink()
-    else:
-        os.replace(partial, path)
-
-
 # ---------------------------------------------------------------------------- sharded checkpoints
 META_FILE = "meta.pt"
 
@@ -165,7 +132,7 @@ def one_process_optimizer_state(by_name: dict[str, Any]) -> dict[str, Any]:
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, group: dist.ProcessGroup | None) -> None:
     """Every rank of ``group`` (one pipeline replica) writes its weights and optimizer state into ``path``
-    (a directory); global rank 0 also the rest of the checkpoint."""
+    (a directory); global rank 0 then the rest of the checkpoint, whose file marks the directory complete."""
     import torch.distributed.checkpoint as dcp
 
     shards = {
@@ -174,12 +141,18 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, group: dist.
     }
     groups = [opt["param_groups"] for opt in checkpoint.pop("optimizer_states", [])]
     dcp.save(shards, checkpoint_id=path, process_group=group)
+    fault_point(rank, "torn")
     if rank == 0:
         torch.save({**checkpoint, "optimizer_param_groups": groups}, path / META_FILE)
 
 
 def is_sharded(path: Path) -> bool:
     return path.is_dir() and (path / META_FILE).is_file()
+
+
+def is_complete(path: Path) -> bool:
+    """A sharded directory with its ``meta.pt`` (written last), or a whole ``torch.save`` zip file."""
+    return is_sharded(path) if path.is_dir() else zipfile.is_zipfile(path)
 
 
 def load_sharded(path: Path) -> dict[str, Any]:

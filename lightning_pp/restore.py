@@ -16,11 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from lightning_pp.checkpoint import META_FILE, OptimizerLayout, is_sharded, one_process_optimizer_state
+from lightning_pp.checkpoint import META_FILE, OptimizerLayout, is_complete, is_sharded, one_process_optimizer_state
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.swap import recover
 
 
 @dataclass
@@ -37,7 +39,13 @@ class PendingRestore:
 
 
 def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[str, Any], PendingRestore]:
-    """The checkpoint dict Lightning restores loops, callbacks and schedulers from; tensors stay on disk."""
+    """The checkpoint dict Lightning restores loops, callbacks and schedulers from; tensors stay on disk.
+
+    A path an interrupted save left empty gives the newest complete checkpoint that save left beside it.
+    """
+    path, recovered = recover(path, is_complete)
+    if recovered:
+        rank_zero_warn(recovered)
     if is_sharded(path):
         checkpoint = torch.load(path / META_FILE, weights_only=False)
         groups = checkpoint.pop("optimizer_param_groups")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
@@ -36,13 +35,11 @@ from typing_extensions import override
 
 from lightning_pp.checkpoint import (
     OptimizerLayout,
-    fault_point,
     gather_model_state,
     gather_optimizer_state,
+    is_complete,
     keep_local_parameters,
     optimizer_state_by_name,
-    partial_path,
-    replace_atomically,
     save_sharded,
 )
 from lightning_pp.errors import PipelineConfigError
@@ -66,6 +63,7 @@ from lightning_pp.schedule import (
 )
 from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
 from lightning_pp.step import PipelineRunner, pruned_stages
+from lightning_pp.swap import begin_save, fault_point, partial_path, prepare, replace_atomically
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
 from lightning_pp.traced import Tracer
@@ -556,24 +554,25 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Write to a temporary name; rename only once every rank has done its part.
-
-        A rank that dies during the save leaves the previous checkpoint at ``filepath`` intact.
-        """
-        path = Path(filepath)
+        """Written beside ``filepath`` and moved into place once every rank has done its part (see
+        ``lightning_pp.swap``): a process that dies at any moment of the save leaves a complete checkpoint."""
+        path, rank = Path(filepath), self.global_rank
         partial = partial_path(path)
+        begin_save()
+        if self.is_global_zero:
+            prepare(path, is_complete)
+        self.barrier("save_checkpoint_start")
+        fault_point(rank, "start")
         if self.state_dict_type == "sharded":
-            if self.is_global_zero and partial.exists():
-                shutil.rmtree(partial)
-            self.barrier("save_checkpoint_start")
             if self.layout.replica == 0:  # one shard per stage, not per replica
-                save_sharded(checkpoint, partial, self.global_rank, self._groups.pp)
+                save_sharded(checkpoint, partial, rank, self._groups.pp)
         elif self.is_global_zero:
             self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
-        fault_point(self.global_rank)
+            fault_point(rank, "torn", tear=partial)
+        fault_point(rank, "written")
         self.barrier("save_checkpoint")
         if self.is_global_zero:
-            replace_atomically(partial, path)
+            replace_atomically(partial, path, rank)
 
     @override
     def teardown(self) -> None:

@@ -244,7 +244,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("monitor_pipeline"):
         callbacks.append(lightning_pp.PipelineMonitor(dirpath=out))
     if cfg.get("save_every"):
-        every = ModelCheckpoint(out / "ckpts", "{step}", every_n_train_steps=cfg["save_every"], save_top_k=-1)
+        every = ModelCheckpoint(cfg.get("ckpt_dir", out / "ckpts"), "{step}", every_n_train_steps=cfg["save_every"],
+                                save_top_k=-1, save_last=cfg.get("save_last"))  # fmt: skip
         callbacks.append(every)
     if cfg.get("monitor"):
         best = ModelCheckpoint(dirpath=out / "ckpts", filename="best", monitor="val_loss", save_top_k=1)

@@ -13,8 +13,8 @@ from models import TinyGPT
 from test_errors import assert_all_ranks_gone
 from test_parity import LOSS_TOL
 
-from lightning_pp.checkpoint import FAULT_ENV
 from lightning_pp.consolidate import consolidate
+from lightning_pp.swap import FAULT_ENV, NO_EXCHANGE_ENV
 
 BASE = dict(batch=8, n_train=64, sanity=0, n_val=16, max_epochs=3)
 
@@ -53,10 +53,13 @@ def test_one_process_checkpoint_resumes_under_the_pipeline(tmp_path, reference):
     assert len(got) == 4 and max(abs(a - b) for a, b in zip(got, expected)) <= LOSS_TOL
 
 
-@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
-def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, state_dict_type):
+@pytest.mark.parametrize(
+    "state_dict_type,fault", [("full", "0:2:torn"), ("sharded", "1:2:written")], ids=["full-torn", "sharded-written"]
+)
+def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, state_dict_type, fault):
+    # rank 0 dies halfway through writing the file; rank 1 dies after writing its shards, before the rename
     job = run_job({**BASE, "strategy": "pipeline", "devices": 2, "m": 2, "save_every": 2, "max_steps": 8,
-                   "timeout": 30, "env": {FAULT_ENV: "1:2"}, "state_dict_type": state_dict_type},
+                   "timeout": 30, "env": {FAULT_ENV: fault}, "state_dict_type": state_dict_type},
                   tmp_path / "job", timeout=120, launcher=True)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     ckpts = job.out / "ckpts"
@@ -68,6 +71,28 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, st
     assert torch.load(previous, weights_only=False)["global_step"] == 2
     TinyGPT.load_from_checkpoint(previous)
     assert_all_ranks_gone(job.out, 2)
+
+
+def test_a_swap_cut_between_its_renames_is_recovered_by_the_next_run(tmp_path, reference):
+    # 3 ranks save a sharded last.ckpt every 2 steps where the swap takes two renames (as without renameat2);
+    # rank 0 dies between them in the save that replaces step 2's last.ckpt with step 4's: nothing at the path
+    cfg = {**BASE, "strategy": "pipeline", "devices": 3, "m": 3, "batch": 6, "n_train": 36, "save_every": 2,
+           "save_last": True, "state_dict_type": "sharded", "timeout": 30}  # fmt: skip
+    env = {FAULT_ENV: "0:4:swapped", NO_EXCHANGE_ENV: "1"}
+    job = run_job({**cfg, "max_steps": 8, "env": env}, tmp_path / "job", timeout=120, launcher=True)
+    ckpts = job.out / "ckpts"
+    assert job.returncode != 0 and not (ckpts / "last.ckpt").exists(), job.output[-3000:]
+    assert_all_ranks_gone(job.out, 3)
+    # a fresh run resumes from the path: the newest complete checkpoint (step 4's), said so, then the next save
+    # puts last.ckpt back and removes the leftovers
+    resume = {**cfg, "max_steps": 10, "resume": str(ckpts / "last.ckpt")}
+    again = ok(run_job({**resume, "devices": 2, "m": 2, "ckpt_dir": str(ckpts)}, tmp_path / "again"))
+    assert "a save was interrupted while swapping it in. Loading the new checkpoint" in again.output
+    step4 = consolidate(ckpts / "step=4.ckpt", tmp_path / "step4.ckpt")
+    one = reference(**{**resume, "save_every": None, "resume": str(step4)})
+    losses = after(again.rank(0)["logged"], 0)
+    assert len(losses) == 6 and losses == pytest.approx(after(one["logged"], 0), abs=LOSS_TOL)
+    assert (ckpts / "last.ckpt").is_dir() and [p.name for p in ckpts.iterdir() if p.name.startswith(".")] == []
 
 
 def test_sharded_checkpoint_reshards_and_consolidates(tmp_path, reference):
