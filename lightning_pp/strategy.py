@@ -43,6 +43,7 @@ from lightning_pp.checkpoint import (
     save_sharded,
 )
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.exit import close_process_groups_at_exit
 from lightning_pp.launch import PipelineLauncher
 from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights, materialize
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
@@ -209,6 +210,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        close_process_groups_at_exit()
         self._groups = make_groups(layout, self.root_device.type)
         if layout.dp > 1:
             rank_zero_info(layout.describe(self.num_processes))
@@ -459,8 +461,7 @@ class PipelineStrategy(ParallelStrategy):
         self._check_loaders("test", trainer.test_dataloaders, trainer.num_test_batches)
 
     def _check_loaders(self, kind: str, loaders: Any, limits: list[Union[int, float]]) -> None:
-        layout = self.layout
-        check_loaders(kind, loaders, limits, self.n_microbatches, self.schedule, layout.pp, layout.n_stages)
+        check_loaders(kind, loaders, limits, self.n_microbatches, self.schedule, self.layout.pp, self.n_stages)
 
     # ------------------------------------------------------------------ collectives
     @override

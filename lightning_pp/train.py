@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.exit import close_process_groups
 from lightning_pp.microbatch import batch_size_of, tokens_in
 from lightning_pp.schedule import resolve_stages_per_rank
 from lightning_pp.strategy import PipelineStrategy
@@ -161,6 +162,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
             "overrides": list(HydraConfig.get().overrides.task),
         }
         (out / "result.json").write_text(json.dumps(result, indent=1))
+    close_process_groups()  # with every rank of the job, before rank 0 waits for the others to exit
     for child in getattr(trainer.strategy.launcher, "procs", []):
         child.wait(timeout=_CHILD_EXIT_S)
     return result
