@@ -67,8 +67,8 @@ def prepare(path: Path, complete: Callable[[Path], bool]) -> None:
 
 def replace_atomically(partial: Path, path: Path, rank: int = 0) -> None:
     """Move a finished checkpoint (file or directory) into place; an existing one stays until then."""
-    if partial.is_dir() and path.is_dir():
-        if _exchange(partial, path):  # the old checkpoint is now at the partial name
+    if path.exists() and (partial.is_dir() or path.is_dir()):  # one rename cannot replace a directory
+        if partial.is_dir() and path.is_dir() and _exchange(partial, path):  # the old one is now at the partial name
             fault_point(rank, "swapped")
             fault_point(rank, "landed")
             _remove(partial)

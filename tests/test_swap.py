@@ -86,3 +86,12 @@ def test_a_save_killed_at_any_point_leaves_a_complete_checkpoint(tmp_path, shard
             assert version(path) == 3 and sorted(p.name for p in root.iterdir()) == ["last.ckpt"], point
             if base != tmp_path:
                 shutil.rmtree(root)
+
+
+def test_a_save_in_the_other_format_replaces_the_checkpoint(tmp_path):
+    path = tmp_path / "last.ckpt"
+    save(path, 1, sharded=False)
+    save(path, 2, sharded=True)  # a directory over a file
+    assert path.is_dir() and version(path) == 2
+    save(path, 3, sharded=False)  # and back
+    assert path.is_file() and version(path) == 3 and [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
