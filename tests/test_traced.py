@@ -9,6 +9,7 @@ import torch
 from conftest import ok, run_job
 from models import HFGPT2, HFGPT2Cache, NanoGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
+from test_tied import combined
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,6 +47,21 @@ def test_hf_gpt2_traced_trains_as_one_process(name, tmp_path, reference):
     # every rank freed what its stages do not hold: each layer on one rank, the tied weight on its holders
     assert sum(map(len, held)) <= len(set().union(*held)) + 1
     assert HFGPT2.load_from_checkpoint(job.out / "final.ckpt").model.lm_head.weight.shape == (32, 32)
+
+
+def test_hf_gpt2_traced_with_replicas_trains_as_one_process_on_their_combined_batch(tmp_path, reference):
+    # 2 replicas x 2 stages: pieces that change with the batch signature, averaged by the runner after the step
+    cfg = dict(GPT2, schedule="1f1b", devices=4, pp=2, m=2, batch=4, n_train=32)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    ref = reference(**combined(cfg))
+    # each replica logs its own loss (the model's step logs without sync_dist): their mean is the combined batch's
+    replicas = zip(job.rank(0)["train"], job.rank(2)["train"], ref["train"], strict=True)
+    assert len(ref["train"]) == 4
+    assert max(abs((a["train_loss"] + b["train_loss"]) / 2 - c["train_loss"]) for a, b, c in replicas) <= LOSS_TOL
+    state = job.state()
+    worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
+    assert worst <= 1e-5, worst
+    assert torch.equal(state[TIE[0]], state[TIE[1]])
 
 
 def test_what_cannot_be_traced_fails_on_every_rank_with_the_fix(tmp_path):
