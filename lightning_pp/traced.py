@@ -178,6 +178,7 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
         pieces = [pipe.split_gm.get_submodule(f"submod_pp_{i}") for i in range(pipe.num_stages)]
         if len(pieces) != n_stages:
             raise PipelineConfigError(f"the tracer made {len(pieces)} pieces, not {n_stages}")
+        _check_made_by_forward(skeleton, pieces)
         trace = _Trace(pieces, *_wiring(pipe.split_gm.graph), out_spec)
         bound = _bind(skeleton, args, kwargs)
         received: tuple = ()
@@ -281,14 +282,31 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
                 node.kwargs = map_aggregate(node.kwargs, lambda v: _device(v, device))
             if isinstance(sub, fx.GraphModule):
                 sub.recompile()
-        constants = [k for k, v in vars(sub).items() if isinstance(v, torch.Tensor) and v.is_meta]
-        if constants:
-            # a tensor made by forward itself, recorded by the trace on meta: its values are lost
-            raise PipelineConfigError(
-                f"The traced piece holds tensors that forward creates from values ({constants}), which a trace on"
-                f" the meta device cannot keep. Register them as buffers in __init__, or use {_ALTERNATIVES}."
-            )
     return piece
+
+
+def _check_made_by_forward(skeleton: nn.Module, pieces: list[nn.Module]) -> None:
+    """Refuse tensors that forward creates from Python values (``torch.tensor(-1e4, device=x.device)``).
+
+    The tracer lifts them into the pieces as constants (``lifted_tensor_0``), but on the meta skeleton
+    their values were never computed, and the model holds nothing of that name to adopt.
+    """
+    made = sorted({n for piece in pieces for n in _used(piece) if not _holds(skeleton, n)})
+    if made:
+        raise PipelineConfigError(
+            f"{type(skeleton).__name__}'s forward creates tensors from values ({', '.join(made)}: for example"
+            " `torch.tensor(value, device=x.device)`), which a trace on the meta device records without their"
+            " values. Compute them in __init__ and register them as buffers (`self.register_buffer(name, tensor,"
+            f" persistent=False)`), or use {_ALTERNATIVES}."
+        )
+
+
+def _holds(module: nn.Module, name: str) -> bool:
+    try:
+        get_path(module, name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _device(value: Any, device: torch.device) -> Any:

@@ -88,9 +88,25 @@ class Branchy(nn.Module):
         return x
 
 
+class Floored(nn.Module):
+    """A forward that makes a tensor from a value (as HF GPT-Neo's attention does): lost in a trace on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.maximum(layer(x), torch.tensor(-0.5, device=x.device))
+        return x
+
+
 def test_a_model_that_cannot_be_split_names_the_model_and_the_alternatives():
+    call = ModelCall("", (torch.ones(2, 4),), {})
     with pytest.raises(PipelineConfigError, match=r"cannot trace and split Branchy.*split='prune'"):
-        traced_placement(Branchy(), "layers", 2, None, ModelCall("", (torch.ones(2, 4),), {}), True)
+        traced_placement(Branchy(), "layers", 2, None, call, True)
+    with pytest.raises(PipelineConfigError, match=r"Floored's forward creates tensors from values \(lifted_tensor_0"):
+        traced_placement(Floored(), "layers", 2, None, call, True)
     # HF Llama traces, but torch 2.13's split miswires its rotary embedding: caught by a run on meta
     config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, use_cache=False)
     call = ModelCall("", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
