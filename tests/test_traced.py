@@ -64,6 +64,16 @@ def test_hf_gpt2_traced_with_replicas_trains_as_one_process_on_their_combined_ba
     assert torch.equal(state[TIE[0]], state[TIE[1]])
 
 
+def test_a_traced_checkpoint_resumes_under_another_layout_as_one_process(tmp_path, reference):
+    # saved by 1F1B on 2 ranks (AdamW: its state must come back too), resumed by GPipe on 3 ranks and by one process
+    first = dict(GPT2, optimizer="adamw", lr=1e-2, schedule="1f1b", devices=2, m=2, batch=8, n_train=32)
+    ok(run_job({**first, "strategy": "pipeline"}, tmp_path / "first"))
+    ckpt = str(tmp_path / "first" / "final.ckpt")
+    resume = dict(first, schedule="gpipe", devices=3, m=None, batch=6, n_train=36, max_epochs=2, resume=ckpt)
+    job = ok(run_job({**resume, "strategy": "pipeline"}, tmp_path / "resumed", timeout=240))
+    assert_same_logs(job.rank(0), reference(**common(resume)), LOSS_TOL)
+
+
 def test_what_cannot_be_traced_fails_on_every_rank_with_the_fix(tmp_path):
     for model, message in [
         ("gpt2_cache", "config.use_cache=True"),
