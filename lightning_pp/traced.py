@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.fx.node import map_aggregate
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
 
 from lightning_pp.errors import PipelineConfigError
@@ -173,7 +174,8 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
     specs: list[TreeSpec] = []  # the output's structure, seen as the tracer runs forward (eagerly, on fake tensors)
     hook = skeleton.register_forward_hook(lambda _, __, out: specs.append(tree_flatten(out)[1]))
     try:
-        pipe = pipeline(skeleton, args, kwargs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
+        with _ValuesOnCPU():
+            pipe = pipeline(skeleton, args, kwargs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
         out_spec = specs[-1]
         pieces = [pipe.split_gm.get_submodule(f"submod_pp_{i}") for i in range(pipe.num_stages)]
         if len(pieces) != n_stages:
@@ -266,14 +268,16 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
     weight) is dropped, so that no meta tensor remains among the stage's parameters.
     """
     used = _used(piece)
-    for name, _ in list(_tensors(piece)):
+    for name, tensor in list(_tensors(piece)):
         *path, attr = name.split(".")
         owner = piece.get_submodule(".".join(path))
         slots = owner._parameters if attr in owner._parameters else owner._buffers
-        if name in used:
-            slots[attr] = get_path(view, prefix + name)
-        else:
+        if name not in used:
             del slots[attr]
+        elif _holds(view, prefix + name):
+            slots[attr] = get_path(view, prefix + name)
+        else:  # a number forward made into a tensor (see _ValuesOnCPU)
+            slots[attr] = tensor.to(device)
     for sub in piece.modules():
         graph = getattr(sub, "graph", None)
         if isinstance(graph, fx.Graph):
@@ -285,17 +289,41 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
     return piece
 
 
+class _ValuesOnCPU(TorchFunctionMode):
+    """During a trace on meta, a scalar tensor forward makes from a Python number is made on the CPU.
+
+    ``torch.tensor(torch.finfo(x.dtype).min, device=x.device)`` (HF GPT-Neo's attention) would otherwise
+    be a meta tensor: the tracer lifts it into the piece as a constant whose value is lost. A 0-dim CPU
+    tensor mixes with tensors of any device as a number does, so the trace runs the same and keeps it.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        number = bool(args) and isinstance(args[0], (bool, int, float))
+        if func in _FROM_VALUES and number and torch.device(kwargs.get("device") or "cpu").type == "meta":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+_FROM_VALUES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
+
+
 def _check_made_by_forward(skeleton: nn.Module, pieces: list[nn.Module]) -> None:
-    """Refuse tensors that forward creates from Python values (``torch.tensor(-1e4, device=x.device)``).
+    """Refuse tensors other than numbers that forward creates from values (``torch.tensor([...])``).
 
     The tracer lifts them into the pieces as constants (``lifted_tensor_0``), but on the meta skeleton
     their values were never computed, and the model holds nothing of that name to adopt.
     """
-    made = sorted({n for piece in pieces for n in _used(piece) if not _holds(skeleton, n)})
+    made = sorted(
+        name
+        for piece in pieces
+        for name in _used(piece)
+        if not _holds(skeleton, name) and get_path(piece, name).is_meta
+    )
     if made:
         raise PipelineConfigError(
             f"{type(skeleton).__name__}'s forward creates tensors from values ({', '.join(made)}: for example"
-            " `torch.tensor(value, device=x.device)`), which a trace on the meta device records without their"
+            " `torch.tensor([...], device=x.device)`), which a trace on the meta device records without their"
             " values. Compute them in __init__ and register them as buffers (`self.register_buffer(name, tensor,"
             f" persistent=False)`), or use {_ALTERNATIVES}."
         )

@@ -11,7 +11,7 @@ from models import HFGPT2, HFGPT2Cache, NanoGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
 from test_tied import combined
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPTNeoConfig, GPTNeoForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import ModelCall
@@ -98,16 +98,18 @@ class Branchy(nn.Module):
         return x
 
 
-class Floored(nn.Module):
-    """A forward that makes a tensor from a value (as HF GPT-Neo's attention does): lost in a trace on meta."""
+class Made(nn.Module):
+    """A forward that makes tensors from values: a number (as HF GPT-Neo's attention does) or a list."""
 
-    def __init__(self) -> None:
+    def __init__(self, listed: bool = False) -> None:
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.listed = listed
 
     def forward(self, x):
         for layer in self.layers:
-            x = torch.maximum(layer(x), torch.tensor(-0.5, device=x.device))
+            made = [-0.5, -0.4, -0.3, -0.2] if self.listed else -0.5
+            x = torch.maximum(layer(x), torch.tensor(made, device=x.device))
         return x
 
 
@@ -115,8 +117,8 @@ def test_a_model_that_cannot_be_split_names_the_model_and_the_alternatives():
     call = ModelCall("", (torch.ones(2, 4),), {})
     with pytest.raises(PipelineConfigError, match=r"cannot trace and split Branchy.*split='prune'"):
         traced_placement(Branchy(), "layers", 2, None, call, True)
-    with pytest.raises(PipelineConfigError, match=r"Floored's forward creates tensors from values \(lifted_tensor_0"):
-        traced_placement(Floored(), "layers", 2, None, call, True)
+    with pytest.raises(PipelineConfigError, match=r"Made's forward creates tensors from values \(lifted_tensor_0"):
+        traced_placement(Made(listed=True), "layers", 2, None, call, True)
     # HF Llama traces, but torch 2.13's split miswires its rotary embedding: caught by a run on meta
     config = LlamaConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2, use_cache=False)
     call = ModelCall("", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
@@ -154,3 +156,19 @@ def test_a_nanogpt_shaped_model_traces_into_exact_pieces():
     assert max((traced[n] - p.grad).abs().max().item() for n, p in model.named_parameters()) < 1e-6
     (tie,) = placement.ties
     assert tie.names == ("transformer.wte.weight", "lm_head.weight") and tie.stages == (0, 2)
+
+
+def test_numbers_forward_makes_into_tensors_keep_their_values():
+    # traced on meta, torch.tensor(-0.5, device=x.device) would be a meta constant: made on the CPU it keeps -0.5
+    torch.manual_seed(0)
+    model, x = Made(), torch.randn(2, 4)
+    _, out = chain(model, "layers", 2, ModelCall("", (x,), {}))
+    assert torch.equal(out, model(x))
+    # HF GPT-Neo's attention masks with torch.tensor(finfo.min, device=...): its pieces equal the eager model
+    config = GPTNeoConfig(
+        vocab_size=32, hidden_size=32, num_layers=2, num_heads=4, attention_types=[[["global", "local"], 1]],
+        max_position_embeddings=16, embed_dropout=0.0, resid_dropout=0.0, attention_dropout=0.0, use_cache=False,
+    )  # fmt: skip
+    neo, tokens = GPTNeoForCausalLM(config), torch.randint(0, 32, (2, 8))
+    _, traced = chain(neo, "transformer.h", 2, ModelCall("", (), {"input_ids": tokens, "labels": tokens}))
+    assert torch.equal(traced.loss, neo(input_ids=tokens, labels=tokens).loss)
