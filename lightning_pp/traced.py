@@ -21,7 +21,7 @@ import contextlib
 import copy
 import inspect
 import operator
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -174,7 +174,7 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
     specs: list[TreeSpec] = []  # the output's structure, seen as the tracer runs forward (eagerly, on fake tensors)
     hook = skeleton.register_forward_hook(lambda _, __, out: specs.append(tree_flatten(out)[1]))
     try:
-        with _ValuesOnCPU():
+        with _ValuesOnCPU(), _no_grad_as_detach():
             pipe = pipeline(skeleton, args, kwargs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
         out_spec = specs[-1]
         pieces = [pipe.split_gm.get_submodule(f"submod_pp_{i}") for i in range(pipe.num_stages)]
@@ -184,7 +184,7 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
         trace = _Trace(pieces, *_wiring(pipe.split_gm.graph), out_spec)
         bound = _bind(skeleton, args, kwargs)
         received: tuple = ()
-        for stage in range(n_stages):  # once on meta: torch's split can miswire a graph (HF Llama's rotary)
+        for stage in range(n_stages):  # once on meta: torch's split can miswire a graph (see _no_grad_as_detach)
             values = trace.run(stage, received, bound)
             received = tuple(values[key] for key in (trace.carry + [trace.outputs])[stage])
     except PipelineConfigError:
@@ -306,6 +306,46 @@ class _ValuesOnCPU(TorchFunctionMode):
 
 
 _FROM_VALUES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
+
+
+class _Detaching(TorchFunctionMode):
+    """Inside a ``torch.no_grad()`` region (see :func:`_no_grad_as_detach`) every result is detached."""
+
+    regions: list[bool] = []  # innermost last: True in no_grad, False in enable_grad
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if _Detaching.regions and _Detaching.regions[-1] and func is not torch.Tensor.detach:
+            out = tree_map_only(torch.Tensor, lambda t: t.detach() if t.requires_grad else t, out)
+        return out
+
+
+@contextlib.contextmanager
+def _no_grad_as_detach() -> Iterator[None]:
+    """Trace ``torch.no_grad()`` regions as detached results instead of grad-mode switches.
+
+    torch 2.13's tracer records a no-grad region as a higher-order op, and unflattening then drops the
+    arguments of a submodule called inside one: HF's rotary embeddings (``@torch.no_grad()`` on their
+    ``forward``: Llama, Qwen2, Mistral, Phi) fail in the first piece. Detaching what the region computes
+    gives the same values and blocks the same gradients, with no grad-mode switch in the graph.
+    """
+    saved = {cls: (cls.__enter__, cls.__exit__) for cls in (torch.no_grad, torch.enable_grad)}
+
+    def entering(detach: bool) -> Callable[[Any], None]:
+        return lambda _: _Detaching.regions.append(detach)
+
+    def leave(*_: Any) -> None:
+        _Detaching.regions.pop()
+
+    for cls, detach in ((torch.no_grad, True), (torch.enable_grad, False)):
+        cls.__enter__, cls.__exit__ = entering(detach), leave  # type: ignore[method-assign,assignment]
+    try:
+        with _Detaching():
+            yield
+    finally:
+        for cls, (enter, exit_) in saved.items():
+            cls.__enter__, cls.__exit__ = enter, exit_  # type: ignore[method-assign]
+        _Detaching.regions.clear()
 
 
 def _check_made_by_forward(skeleton: nn.Module, pieces: list[nn.Module]) -> None:

@@ -30,6 +30,7 @@ from models import (  # noqa: E402
     HFGPT2Cache,
     HFGPT2Logits,
     HFGPT2Twice,
+    HFLlama,
     InitGPT,
     ItemGPT,
     ListGPT,
@@ -59,6 +60,7 @@ MODELS = {
     "gpt2_logits": HFGPT2Logits,
     "gpt2_twice": HFGPT2Twice,
     "gpt2_cache": HFGPT2Cache,
+    "llama": HFLlama,
 }
 
 

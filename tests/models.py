@@ -337,6 +337,25 @@ class HFGPT2(LossSteps):
         return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
 
 
+class HFLlama(HFGPT2):
+    """Hugging Face's ``LlamaForCausalLM`` (rotary embedding under ``@torch.no_grad()``, grouped-query attention,
+    no tie), called with the whole batch as keyword arguments: ``self.model(**batch)``."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        L.LightningModule.__init__(self)  # not HFGPT2's: a Llama, not a GPT-2
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = LlamaConfig(
+            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, use_cache=False,
+        )  # fmt: skip
+        self.model = LlamaForCausalLM(config)
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        return self.model(**{"input_ids": batch["tokens"], "labels": batch["targets"]}).loss
+
+
 class HFGPT2Logits(HFGPT2):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**{**kwargs, "logits": True})
