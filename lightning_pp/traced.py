@@ -281,7 +281,12 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
     for sub in piece.modules():
         graph = getattr(sub, "graph", None)
         if isinstance(graph, fx.Graph):
-            for node in graph.nodes:
+            for node in list(graph.nodes):
+                if node.target is torch.ops.aten._assert_tensor_metadata.default:
+                    # the dtype the trace saw: under autocast (bf16-mixed) activations are half, and the
+                    # conversions that follow (HF's logits.float()) must run, not fail
+                    graph.erase_node(node)
+                    continue
                 node.args = map_aggregate(node.args, lambda v: _device(v, device))
                 node.kwargs = map_aggregate(node.kwargs, lambda v: _device(v, device))
             if isinstance(sub, fx.GraphModule):

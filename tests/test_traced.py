@@ -85,6 +85,13 @@ def test_hf_llama_traced_trains_as_one_process(tmp_path, reference):
     assert max((state[k] - v).abs().max().item() for k, v in ref["state"].items()) <= 1e-5
 
 
+def test_hf_gpt2_traced_under_bf16_mixed_matches_one_process(tmp_path, reference):
+    # traced in float32, run under autocast: the trace's dtype checks go, its conversions (logits.float()) stay
+    cfg = dict(GPT2, schedule="1f1b", devices=2, m=2, batch=8, n_train=32, precision="bf16-mixed")
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    assert_same_logs(job.rank(0), reference(**common(cfg)), 2e-2)  # as under split="prune" (test_parity)
+
+
 def test_a_traced_checkpoint_resumes_under_another_layout_as_one_process(tmp_path, reference):
     # saved by 1F1B on 2 ranks (AdamW: its state must come back too), resumed by GPipe on 3 ranks and by one process
     first = dict(GPT2, optimizer="adamw", lr=1e-2, schedule="1f1b", devices=2, m=2, batch=8, n_train=32)
