@@ -47,6 +47,7 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["model=gpt_large", "strategy.state_dict_type=sharded"],
         ["model=digits_mlp", "data=digits"],
         ["model=gpt2_tiny"],
+        ["model=llama_tiny"],
         ["trainer=gpu"],
         ["trainer=cpu_fp16"],
         ["trainer=slurm", "hydra/launcher=slurm"],
@@ -63,6 +64,8 @@ def test_every_config_group_composes(overrides):
     }  # fmt: skip
     if "model=gpt2_tiny" in overrides:  # the model's config sets how the strategy splits it
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.transformer.h")
+    if "model=llama_tiny" in overrides:
+        assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.model.layers")
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
     if "trainer=cpu_fp16" in overrides:  # real fp16 on the CPU: the plugin, not the flag (Lightning would use bf16)
         (plugin,) = instantiate(cfg.trainer.plugins)
