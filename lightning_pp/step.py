@@ -295,14 +295,14 @@ class PipelineRunner:
         index = int(target[0]) // last.mb_size
         result = self._user_step(index, last.outputs.pop(index))
         self.outputs[index] = result
+        if not self._current._has_backward:  # what validation/test/predict return is not a loss (argmax ids)
+            return torch.zeros((), device=self.device)
         loss = _loss_of(result)
         if loss is None:
-            if self._current._has_backward:
-                raise PipelineConfigError(
-                    f"training_step returned {type(result).__name__}; under the pipeline it must return the loss"
-                    " (a tensor, or a dict with a 'loss' key) on every micro-batch: skipping a step is not supported."
-                )
-            return torch.zeros((), device=self.device)
+            raise PipelineConfigError(
+                f"training_step returned {type(result).__name__}; under the pipeline it must return the loss"
+                " (a tensor, or a dict with a 'loss' key) on every micro-batch: skipping a step is not supported."
+            )
         self._losses[index] = loss.detach()
         return loss * self._loss_scale
 

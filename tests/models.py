@@ -325,6 +325,9 @@ class HFGPT2(LossSteps):
         )  # fmt: skip
         self.model = GPT2LMHeadModel(config)
 
+    def predict_step(self, batch, batch_idx):
+        return self.model(input_ids=batch["tokens"]).logits.argmax(-1)  # a tensor, and not a loss: integer ids
+
     def _loss(self, batch: dict) -> torch.Tensor:
         tokens, targets = batch["tokens"], batch["targets"]
         if self.hparams.logits:

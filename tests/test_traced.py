@@ -23,7 +23,7 @@ TIE = ("model.transformer.wte.weight", "model.lm_head.weight")
 
 SCENARIOS = {
     # labels= reach the last stage from the local batch; 36 samples: the last batch (4) is traced again
-    "labels-1f1b-2": dict(GPT2, schedule="1f1b", devices=2, m=2, batch=8, n_train=36),
+    "labels-1f1b-2": dict(GPT2, schedule="1f1b", devices=2, m=2, batch=8, n_train=36, predict=True),
     # 3 stages, default micro-batches (6 per batch of 6, 4 for the last batch of 4)
     "labels-gpipe-3": dict(GPT2, schedule="gpipe", devices=3, m=None, batch=6, n_train=40, n_val=12),
     # the step's own cross-entropy from .logits; ZBV puts the embedding's and the head's stage on rank 0
@@ -47,6 +47,10 @@ def test_hf_gpt2_traced_trains_as_one_process(name, tmp_path, reference):
     # every rank freed what its stages do not hold: each layer on one rank, the tied weight on its holders
     assert sum(map(len, held)) <= len(set().union(*held)) + 1
     assert HFGPT2.load_from_checkpoint(job.out / "final.ckpt").model.lm_head.weight.shape == (32, 32)
+    if cfg.get("predict"):  # predict_step's token ids, served on the last stage, handed to rank 0
+        mine = torch.load(job.out / "predictions.pt", weights_only=False)
+        theirs = torch.load(ref["out"] / "predictions.pt", weights_only=False)
+        assert len(mine) == len(theirs) == 2 and all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
 def test_hf_gpt2_traced_with_replicas_trains_as_one_process_on_their_combined_batch(tmp_path, reference):
