@@ -64,7 +64,7 @@ from lightning_pp.schedule import (
 )
 from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
 from lightning_pp.step import PipelineRunner, pruned_stages
-from lightning_pp.swap import begin_save, fault_point, partial_path, prepare, replace_atomically
+from lightning_pp.swap import fault_point, swapped_in
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
 from lightning_pp.traced import Tracer
@@ -557,23 +557,14 @@ class PipelineStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
         ``lightning_pp.swap``): a process that dies at any moment of the save leaves a complete checkpoint."""
-        path, rank = Path(filepath), self.global_rank
-        partial = partial_path(path)
-        begin_save()
-        if self.is_global_zero:
-            prepare(path, is_complete)
-        self.barrier("save_checkpoint_start")
-        fault_point(rank, "start")
-        if self.state_dict_type == "sharded":
-            if self.layout.replica == 0:  # one shard per stage, not per replica
-                save_sharded(checkpoint, partial, rank, self._groups.pp)
-        elif self.is_global_zero:
-            self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
-            fault_point(rank, "torn", tear=partial)
-        fault_point(rank, "written")
-        self.barrier("save_checkpoint")
-        if self.is_global_zero:
-            replace_atomically(partial, path, rank)
+        rank = self.global_rank
+        with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
+            if self.state_dict_type == "sharded":
+                if self.layout.replica == 0:  # one shard per stage, not per replica
+                    save_sharded(checkpoint, partial, rank, self._groups.pp)
+            elif self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
+                fault_point(rank, "torn", tear=partial)
 
     @override
     def teardown(self) -> None:

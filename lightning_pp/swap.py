@@ -14,11 +14,12 @@ each save starts by removing the previous save's.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # Deterministic faults for tests: "<rank>:<n>:<point>" kills that rank at ``point`` of its n-th save
@@ -26,13 +27,30 @@ from pathlib import Path
 # swapped (between the two renames, or after the exchange), landed (in place, before the cleanup).
 FAULT_ENV = "LIGHTNING_PP_KILL_DURING_SAVE"
 NO_EXCHANGE_ENV = "LIGHTNING_PP_NO_RENAME_EXCHANGE"  # "1": the fallback, as where renameat2 is missing
-_saves = 0
+_saves = 0  # this process's saves so far, for FAULT_ENV
 
 
-def begin_save() -> None:
-    """Counts this process's saves, for ``FAULT_ENV``."""
+@contextlib.contextmanager
+def swapped_in(
+    path: Path, rank: int, barrier: Callable[[str], None], complete: Callable[[Path], bool]
+) -> Iterator[Path]:
+    """One save, on every rank: yields where to write this rank's part, then moves the whole into place.
+
+    Rank 0 first puts back what an interrupted save left aside and clears leftovers, before any rank
+    writes; after the block, once every rank has written (``barrier``), rank 0 swaps the checkpoint in.
+    """
     global _saves
     _saves += 1
+    if rank == 0:
+        _prepare(path, complete)
+    barrier("save_checkpoint_start")
+    fault_point(rank, "start")
+    partial = _partial_path(path)
+    yield partial
+    fault_point(rank, "written")
+    barrier("save_checkpoint")
+    if rank == 0:
+        _replace_atomically(partial, path, rank)
 
 
 def fault_point(rank: int, point: str, tear: Path | None = None) -> None:
@@ -45,7 +63,7 @@ def fault_point(rank: int, point: str, tear: Path | None = None) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def partial_path(path: Path) -> Path:
+def _partial_path(path: Path) -> Path:
     """Where a checkpoint is written before every rank has confirmed its part."""
     return path.with_name(f".{path.name}.partial")
 
@@ -54,18 +72,16 @@ def _old_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.old")
 
 
-def prepare(path: Path, complete: Callable[[Path], bool]) -> None:
-    """Before a save (rank 0, before any rank writes): put back a checkpoint an interrupted swap left aside,
-    then remove every leftover of earlier saves."""
-    if not path.exists():
-        found, _ = recover(path, complete)
-        if found != path and found.exists():
-            os.replace(found, path)
-    for leftover in (partial_path(path), _old_path(path)):
+def _prepare(path: Path, complete: Callable[[Path], bool]) -> None:
+    """Put back a checkpoint an interrupted swap left aside, then remove every leftover of earlier saves."""
+    found, _ = recover(path, complete)
+    if found != path:
+        os.replace(found, path)
+    for leftover in (_partial_path(path), _old_path(path)):
         _remove(leftover)
 
 
-def replace_atomically(partial: Path, path: Path, rank: int = 0) -> None:
+def _replace_atomically(partial: Path, path: Path, rank: int) -> None:
     """Move a finished checkpoint (file or directory) into place; an existing one stays until then."""
     if path.exists() and (partial.is_dir() or path.is_dir()):  # one rename cannot replace a directory
         if partial.is_dir() and path.is_dir() and _exchange(partial, path):  # the old one is now at the partial name
@@ -73,8 +89,7 @@ def replace_atomically(partial: Path, path: Path, rank: int = 0) -> None:
             fault_point(rank, "landed")
             _remove(partial)
             return
-        old = _old_path(path)
-        _remove(old)
+        old = _old_path(path)  # removed by _prepare, before any rank wrote
         os.replace(path, old)
         fault_point(rank, "swapped")
         os.replace(partial, path)
@@ -89,7 +104,7 @@ def recover(path: Path, complete: Callable[[Path], bool]) -> tuple[Path, str | N
     """``path``, or where an interrupted swap left the newest complete checkpoint, and a message saying so."""
     if path.exists():
         return path, None
-    for candidate, what in ((partial_path(path), "the new checkpoint"), (_old_path(path), "the previous checkpoint")):
+    for candidate, what in ((_partial_path(path), "the new checkpoint"), (_old_path(path), "the previous checkpoint")):
         if candidate.exists() and complete(candidate):
             return candidate, (
                 f"{path} does not exist: a save was interrupted while swapping it in. Loading {what}, complete, from"

@@ -174,7 +174,7 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
     specs: list[TreeSpec] = []  # the output's structure, seen as the tracer runs forward (eagerly, on fake tensors)
     hook = skeleton.register_forward_hook(lambda _, __, out: specs.append(tree_flatten(out)[1]))
     try:
-        with _ValuesOnCPU(), _no_grad_as_detach():
+        with _tracing_on_meta():
             pipe = pipeline(skeleton, args, kwargs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
         out_spec = specs[-1]
         pieces = [pipe.split_gm.get_submodule(f"submod_pp_{i}") for i in range(pipe.num_stages)]
@@ -184,7 +184,7 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
         trace = _Trace(pieces, *_wiring(pipe.split_gm.graph), out_spec)
         bound = _bind(skeleton, args, kwargs)
         received: tuple = ()
-        for stage in range(n_stages):  # once on meta: torch's split can miswire a graph (see _no_grad_as_detach)
+        for stage in range(n_stages):  # once on meta: torch's split can miswire a graph (see _OnMeta)
             values = trace.run(stage, received, bound)
             received = tuple(values[key] for key in (trace.carry + [trace.outputs])[stage])
     except PipelineConfigError:
@@ -276,7 +276,7 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
             del slots[attr]
         elif _holds(view, prefix + name):
             slots[attr] = get_path(view, prefix + name)
-        else:  # a number forward made into a tensor (see _ValuesOnCPU)
+        else:  # a number forward made into a tensor (see _OnMeta)
             slots[attr] = tensor.to(device)
     for sub in piece.modules():
         graph = getattr(sub, "graph", None)
@@ -294,63 +294,57 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
     return piece
 
 
-class _ValuesOnCPU(TorchFunctionMode):
-    """During a trace on meta, a scalar tensor forward makes from a Python number is made on the CPU.
+class _OnMeta(TorchFunctionMode):
+    """What a trace on the meta skeleton must record as eager code runs it on a real device.
 
-    ``torch.tensor(torch.finfo(x.dtype).min, device=x.device)`` (HF GPT-Neo's attention) would otherwise
-    be a meta tensor: the tracer lifts it into the piece as a constant whose value is lost. A 0-dim CPU
-    tensor mixes with tensors of any device as a number does, so the trace runs the same and keeps it.
+    * A number forward makes into a tensor (``torch.tensor(torch.finfo(x.dtype).min, device=x.device)``,
+      HF GPT-Neo's attention) is made on the CPU: on meta, the tracer would lift a constant whose value is
+      lost. A 0-dim CPU tensor mixes with tensors of any device as a number does.
+    * ``torch.no_grad()`` regions become detached results (``regions``, kept by :func:`_tracing_on_meta`):
+      torch 2.13's tracer records a grad-mode switch as a higher-order op, and unflattening then drops the
+      arguments of a submodule called inside one (HF's rotary embeddings, ``@torch.no_grad()`` on their
+      ``forward``: Llama, Qwen2, Mistral, Phi). Same values, the same gradients blocked.
     """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.regions: list[bool] = []  # innermost last: True in no_grad, False in enable_grad
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
         number = bool(args) and isinstance(args[0], (bool, int, float))
         if func in _FROM_VALUES and number and torch.device(kwargs.get("device") or "cpu").type == "meta":
             kwargs = {**kwargs, "device": "cpu"}
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if self.regions and self.regions[-1]:
+            out = tree_map_only(torch.Tensor, lambda t: t.detach() if t.requires_grad else t, out)
+        return out
 
 
 _FROM_VALUES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
 
 
-class _Detaching(TorchFunctionMode):
-    """Inside a ``torch.no_grad()`` region (see :func:`_no_grad_as_detach`) every result is detached."""
-
-    regions: list[bool] = []  # innermost last: True in no_grad, False in enable_grad
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        if _Detaching.regions and _Detaching.regions[-1] and func is not torch.Tensor.detach:
-            out = tree_map_only(torch.Tensor, lambda t: t.detach() if t.requires_grad else t, out)
-        return out
-
-
 @contextlib.contextmanager
-def _no_grad_as_detach() -> Iterator[None]:
-    """Trace ``torch.no_grad()`` regions as detached results instead of grad-mode switches.
-
-    torch 2.13's tracer records a no-grad region as a higher-order op, and unflattening then drops the
-    arguments of a submodule called inside one: HF's rotary embeddings (``@torch.no_grad()`` on their
-    ``forward``: Llama, Qwen2, Mistral, Phi) fail in the first piece. Detaching what the region computes
-    gives the same values and blocks the same gradients, with no grad-mode switch in the graph.
-    """
+def _tracing_on_meta() -> Iterator[None]:
+    """:class:`_OnMeta` active, with ``torch.no_grad``/``torch.enable_grad`` marking regions instead of
+    switching grad mode."""
+    mode = _OnMeta()
     saved = {cls: (cls.__enter__, cls.__exit__) for cls in (torch.no_grad, torch.enable_grad)}
 
     def entering(detach: bool) -> Callable[[Any], None]:
-        return lambda _: _Detaching.regions.append(detach)
+        return lambda _: mode.regions.append(detach)
 
-    def leave(*_: Any) -> None:
-        _Detaching.regions.pop()
+    def leave(*_: Any) -> None:  # None: an exception inside the region propagates
+        mode.regions.pop()
 
     for cls, detach in ((torch.no_grad, True), (torch.enable_grad, False)):
         cls.__enter__, cls.__exit__ = entering(detach), leave  # type: ignore[method-assign,assignment]
     try:
-        with _Detaching():
+        with mode:
             yield
     finally:
         for cls, (enter, exit_) in saved.items():
             cls.__enter__, cls.__exit__ = enter, exit_  # type: ignore[method-assign]
-        _Detaching.regions.clear()
 
 
 def _check_made_by_forward(skeleton: nn.Module, pieces: list[nn.Module]) -> None:

@@ -13,36 +13,22 @@ import torch
 
 import lightning_pp.swap as swap
 from lightning_pp.checkpoint import META_FILE, is_complete
-from lightning_pp.swap import (
-    FAULT_ENV,
-    NO_EXCHANGE_ENV,
-    begin_save,
-    fault_point,
-    partial_path,
-    prepare,
-    recover,
-    replace_atomically,
-)
+from lightning_pp.swap import FAULT_ENV, NO_EXCHANGE_ENV, fault_point, recover, swapped_in
 
 POINTS = ["start", "torn", "written", "swapped", "landed"]
 
 
 def save(path: Path, version: int, sharded: bool) -> None:
-    """One save in the order the strategy makes it (one rank)."""
-    begin_save()
-    prepare(path, is_complete)
-    fault_point(0, "start")
-    partial = partial_path(path)
-    if sharded:
-        partial.mkdir()
-        torch.save({"v": version}, partial / "__0_0.distcp")
-        fault_point(0, "torn")
-        torch.save({"v": version}, partial / META_FILE)  # written last: marks the directory complete
-    else:
-        torch.save({"v": version}, partial)
-        fault_point(0, "torn", tear=partial)
-    fault_point(0, "written")
-    replace_atomically(partial, path, 0)
+    """One save as the strategy makes it (one rank)."""
+    with swapped_in(path, 0, lambda _: None, is_complete) as partial:
+        if sharded:
+            partial.mkdir()
+            torch.save({"v": version}, partial / "__0_0.distcp")
+            fault_point(0, "torn")
+            torch.save({"v": version}, partial / META_FILE)  # written last: marks the directory complete
+        else:
+            torch.save({"v": version}, partial)
+            fault_point(0, "torn", tear=partial)
 
 
 def version(path: Path) -> int:

@@ -9,7 +9,7 @@ import torch
 from conftest import ok, run_job
 from models import HFGPT2, HFGPT2Cache, NanoGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
-from test_tied import combined
+from test_tied import assert_state_equal, combined
 from torch import nn
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
@@ -39,9 +39,7 @@ def test_hf_gpt2_traced_trains_as_one_process(name, tmp_path, reference):
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     assert job.output.count("shared by stages") == 1, job.output[-3000:]  # the tie, in the placement log
     state = job.state()
-    assert state.keys() == ref["state"].keys()
-    worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
-    assert worst <= 1e-5, worst
+    assert_state_equal(state, ref["state"], 1e-5)
     assert torch.equal(state[TIE[0]], state[TIE[1]])
     held = [set(job.rank(r)["params"]) for r in range(cfg["devices"])]
     # every rank freed what its stages do not hold: each layer on one rank, the tied weight on its holders
@@ -63,30 +61,19 @@ def test_hf_gpt2_traced_with_replicas_trains_as_one_process_on_their_combined_ba
     assert len(ref["train"]) == 4
     assert max(abs((a["train_loss"] + b["train_loss"]) / 2 - c["train_loss"]) for a, b, c in replicas) <= LOSS_TOL
     state = job.state()
-    worst = max((state[k] - v).abs().max().item() for k, v in ref["state"].items())
-    assert worst <= 1e-5, worst
+    assert_state_equal(state, ref["state"], 1e-5)
     assert torch.equal(state[TIE[0]], state[TIE[1]])
 
 
 def test_hf_llama_traced_trains_as_one_process(tmp_path, reference):
     # the rotary embedding's @torch.no_grad() forward, traced as detached results (torch's unflattening drops the
     # arguments of a module called in a no-grad region); interleaved 1F1B: 4 stages on 2 ranks
-    cfg = dict(
-        GPT2,
-        model="llama",
-        layers="model.model.layers",
-        optimizer="sgd",
-        schedule="interleaved_1f1b",
-        devices=2,
-        m=4,
-        batch=8,
-        n_train=32,
-    )
+    llama = dict(model="llama", layers="model.model.layers", optimizer="sgd")
+    cfg = dict(GPT2, **llama, schedule="interleaved_1f1b", devices=2, m=4, batch=8, n_train=32)
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
     ref = reference(**common(cfg))
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
-    state = job.state()
-    assert max((state[k] - v).abs().max().item() for k, v in ref["state"].items()) <= 1e-5
+    assert_state_equal(job.state(), ref["state"], 1e-5)
 
 
 def test_hf_gpt2_traced_under_bf16_mixed_matches_one_process(tmp_path, reference):
