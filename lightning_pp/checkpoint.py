@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pp.dtensors import full_value
 from lightning_pp.swap import fault_point
 
 
@@ -69,11 +70,28 @@ def _gather(obj: Any, group: dist.ProcessGroup | None, dst: int) -> list[Any] | 
     return out
 
 
+def _whole(obj: Any, keep: bool) -> Any:
+    """``obj`` with each DTensor replaced by its whole tensor (a collective over its mesh, so every rank holding
+    a piece calls it, in the same order); None where ``keep`` is False, which drops each whole tensor at once."""
+    if isinstance(obj, torch.Tensor):
+        value = full_value(obj)
+        return value if keep else None
+    if isinstance(obj, dict):
+        return {k: _whole(v, keep) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_whole(v, keep) for v in obj)
+    return obj
+
+
 def gather_model_state(
-    module: nn.Module, key_order: list[str], group: dist.ProcessGroup | None, dst: int = 0
+    module: nn.Module, key_order: list[str], group: dist.ProcessGroup | None, writer: bool = True, dst: int = 0
 ) -> dict[str, Any]:
-    """The whole module's state dict on ``dst`` (empty elsewhere), keys in one-process order."""
-    parts = _gather(module.state_dict(), group, dst)
+    """The whole module's state dict on ``dst`` of the writers' pipeline ``group`` (empty elsewhere), keys in
+    one-process order. Every rank takes part: sharded tensors are made whole by the ranks that hold them."""
+    state = _whole(module.state_dict(), keep=writer)
+    if not writer:
+        return {}
+    parts = _gather(state, group, dst)
     if parts is None:
         return {}
     merged: dict[str, Any] = {}
@@ -85,12 +103,18 @@ def gather_model_state(
 
 
 def gather_optimizer_state(
-    optimizer: torch.optim.Optimizer, layout: OptimizerLayout, group: dist.ProcessGroup | None, dst: int = 0
+    optimizer: torch.optim.Optimizer,
+    layout: OptimizerLayout,
+    group: dist.ProcessGroup | None,
+    writer: bool = True,
+    dst: int = 0,
 ) -> dict[str, Any]:
-    """The optimizer state dict one process would save, on ``dst`` (empty elsewhere)."""
+    """The optimizer state dict one process would save, on ``dst`` of the writers' ``group`` (empty elsewhere)."""
     local = optimizer.state_dict()
     to_global = [i for kept in layout.kept for i in kept]
-    state = {to_global[i]: v for i, v in local["state"].items()}
+    state = _whole({to_global[i]: v for i, v in local["state"].items()}, keep=writer)
+    if not writer:
+        return {}
     parts = _gather(state, group, dst)
     if parts is None:
         return {}
@@ -131,8 +155,9 @@ def one_process_optimizer_state(by_name: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, group: dist.ProcessGroup | None) -> None:
-    """Every rank of ``group`` (one pipeline replica) writes its weights and optimizer state into ``path``
-    (a directory); global rank 0 then the rest of the checkpoint, whose file marks the directory complete."""
+    """Every rank of ``group`` (one pipeline replica, or the world when stages are sharded) writes its weights
+    and optimizer state into ``path`` (a directory); DTensors are stored as their pieces with global offsets.
+    Global rank 0 then writes the rest of the checkpoint, whose file marks the directory complete."""
     import torch.distributed.checkpoint as dcp
 
     shards = {

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from lightning_pp.dtensors import whole_parameters
 from lightning_pp.errors import PipelineConfigError
 
 InitFn = Callable[[nn.Module, str], None]
@@ -139,43 +140,51 @@ def materialize(
     device: torch.device | str = "cpu",
     seed: int | None = None,
     init_fn: InitFn | None = None,
+    prefix: str = "",
 ) -> nn.Module:
     """Allocate ``module``'s meta tensors on ``device`` and initialise them by the name rule; move the rest.
 
     Each module owning meta tensors runs ``init_fn(module, name)`` if given, else its own
     ``reset_parameters()`` (or ``_reset_parameters()``), under ``torch.manual_seed(name_seed(seed,
     name))`` with the global RNG left untouched. ``name`` is the module's qualified name in the whole
-    model, so a pruned pipeline stage gets exactly the tensors the whole model gets on one process.
-    Parameter objects keep their identity (ties, optimizers built earlier and hooks stay valid).
+    model (``prefix`` is ``module``'s own), so a pruned pipeline stage gets exactly the tensors the whole
+    model gets on one process. Parameter objects keep their identity (ties, optimizers built earlier and
+    hooks stay valid), except tensor-parallel DTensors: each is initialised whole, as on one process, and
+    replaced by this rank's piece.
     """
     device = torch.device(device)
     seed = global_seed() if seed is None else seed
-    owners = _meta_owners(module)
+    owners = [(f"{prefix}.{name}" if prefix and name else name or prefix, m) for name, m in _meta_owners(module)]
     if owners:
         check_initializers(module, init_fn)
-    if any(t.is_meta or t.device != device for t in _own_tensors(module, recurse=True)):
-        with _swapping_parameters():
-            module._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
-    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=cuda), torch.no_grad():
-        for name, owner in owners:
-            torch.manual_seed(name_seed(seed, name))
-            if init_fn is not None:
-                init_fn(owner, name)
-            else:
-                next(getattr(owner, m) for m in _INIT_METHODS if callable(getattr(owner, m, None)))()
+    with contextlib.ExitStack() as whole:
+        for _, owner in owners:
+            whole.enter_context(whole_parameters(owner))
+        _allocate(module, device)
+        index = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else 0
+        cuda = [index] if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda), torch.no_grad():
+            for name, owner in owners:
+                torch.manual_seed(name_seed(seed, name))
+                if init_fn is not None:
+                    init_fn(owner, name)
+                else:
+                    next(getattr(owner, m) for m in _INIT_METHODS if callable(getattr(owner, m, None)))()
     return module
 
 
-@contextlib.contextmanager
-def _swapping_parameters() -> Iterator[None]:
-    """``module._apply`` swaps tensors into the existing Parameter objects instead of replacing them."""
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """Meta tensors allocated on ``device``, others moved there; each Parameter object keeps its identity (its
+    contents are swapped), so ties and optimizers built earlier stay valid. Tensors already on ``device``
+    (units FSDP has sharded) are left alone."""
+    for m in module.modules():
+        for name, t in list(m._parameters.items()):
+            if t is not None and (t.is_meta or t.device != device):
+                real = torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device)
+                torch.utils.swap_tensors(t, nn.Parameter(real, requires_grad=t.requires_grad))
+        for name, b in list(m._buffers.items()):
+            if b is not None and (b.is_meta or b.device != device):
+                m._buffers[name] = torch.empty_like(b, device=device) if b.is_meta else b.to(device)
 
 
 @contextlib.contextmanager

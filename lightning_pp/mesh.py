@@ -1,9 +1,11 @@
-"""Process groups of a pipeline x data-parallel job.
+"""Process groups of a data x pipeline x tensor parallel job.
 
-Ranks are laid out as a (dp, pp) grid with the pipeline axis innermost: global rank
-``r = replica * pp + stage``. Consecutive ranks, and so the ranks of one node when ``pp`` divides
-the devices per node, form one pipeline replica: its P2P traffic stays inside a node and only the
-gradient all-reduce between replicas of the same stage crosses nodes.
+Ranks are laid out as a (dp, pp, tp) grid with the tensor-parallel axis innermost and the pipeline
+axis next: global rank ``r = (replica * pp + stage) * tp + shard``. The ranks of one tensor-parallel
+group are consecutive (one node: their collectives run in every layer), one pipeline replica comes
+next (its P2P traffic stays inside a node when ``pp x tp`` divides the devices per node), and only
+the gradient reduction between replicas of the same stage crosses nodes. Each (replica, shard) pair
+runs its own pipeline: the same batch, the same stages, its own slice of each tensor-parallel layer.
 """
 
 from __future__ import annotations
@@ -28,15 +30,21 @@ class Layout:
     rank: int
     schedule: str = "1f1b"
     stages_per_rank: int = 1
+    tp: int = 1
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.pp
+        return self.world_size // (self.pp * self.tp)
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's shard of its tensor-parallel layers."""
+        return self.rank % self.tp
 
     @property
     def pp_rank(self) -> int:
         """This rank's position in its pipeline replica."""
-        return self.rank % self.pp
+        return self.rank // self.tp % self.pp
 
     @property
     def n_stages(self) -> int:
@@ -49,62 +57,92 @@ class Layout:
 
     @property
     def replica(self) -> int:
-        return self.rank // self.pp
+        return self.rank // (self.pp * self.tp)
+
+    @property
+    def writes_full_checkpoint(self) -> bool:
+        """Replicas and tensor-parallel shards hold the same (gathered) values: one pipeline makes the file."""
+        return self.replica == 0 and self.tp_rank == 0
 
     @property
     def last_stage_rank(self) -> int:
         """Global rank of the last stage of this rank's replica (where its loss and logs are)."""
         return self.stage_rank(self.n_stages - 1)
 
-    def stage_rank(self, stage: int, replica: int | None = None) -> int:
-        """Global rank holding ``stage`` in ``replica`` (default: this rank's)."""
-        return (self.replica if replica is None else replica) * self.pp + rank_of_stage(self.schedule, stage, self.pp)
+    def stage_rank(self, stage: int, replica: int | None = None, tp_rank: int | None = None) -> int:
+        """Global rank holding ``stage`` in ``replica`` and tensor-parallel shard ``tp_rank`` (default: this rank's)."""
+        replica = self.replica if replica is None else replica
+        return self._rank_at(replica, rank_of_stage(self.schedule, stage, self.pp), tp_rank)
+
+    def _rank_at(self, replica: int, pp_rank: int, tp_rank: int | None = None) -> int:
+        return (replica * self.pp + pp_rank) * self.tp + (self.tp_rank if tp_rank is None else tp_rank)
 
     @property
     def first_stage_rank(self) -> int:
-        return self.replica * self.pp
+        return self._rank_at(self.replica, 0)
 
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        return [replica * self.pp + s for s in range(self.pp)]
+    def pipeline_ranks(self, replica: int, tp_rank: int | None = None) -> list[int]:
+        return [self._rank_at(replica, s, tp_rank) for s in range(self.pp)]
 
-    def replica_ranks(self, stage: int) -> list[int]:
-        return [d * self.pp + stage for d in range(self.dp)]
+    def replica_ranks(self, pp_rank: int) -> list[int]:
+        return [self._rank_at(d, pp_rank) for d in range(self.dp)]
 
     def describe(self, devices_per_node: int) -> str:
-        lines = [f"Rank layout ({self.dp} pipeline replica(s) x {self.pp} stages; global rank = replica x pp + stage):"]
+        shards = f" x {self.tp} tensor-parallel shards" if self.tp > 1 else ""
+        formula = "(replica x pp + stage) x tp + shard" if self.tp > 1 else "replica x pp + stage"
+        lines = [f"Rank layout ({self.dp} pipeline replica(s) x {self.pp} stages{shards}; global rank = {formula}):"]
         for d in range(self.dp):
-            cells = [f"rank {r} (node {r // devices_per_node})" for r in self.pipeline_ranks(d)]
-            lines.append(f"  replica {d}: " + " -> ".join(cells))
+            for t in range(self.tp):
+                cells = [f"rank {r} (node {r // devices_per_node})" for r in self.pipeline_ranks(d, t)]
+                shard = f", shard {t}" if self.tp > 1 else ""
+                lines.append(f"  replica {d}{shard}: " + " -> ".join(cells))
         return "\n".join(lines)
 
 
 def make_layout(
-    pipeline_parallel_size: int | None, world_size: int, rank: int, schedule: str = "1f1b", stages_per_rank: int = 1
+    pipeline_parallel_size: int | None,
+    world_size: int,
+    rank: int,
+    schedule: str = "1f1b",
+    stages_per_rank: int = 1,
+    tensor_parallel_size: int = 1,
 ) -> Layout:
-    pp = pipeline_parallel_size or world_size
-    if pp < 1 or world_size % pp:
+    tp = int(tensor_parallel_size)
+    if tp < 1 or world_size % tp:
         raise PipelineConfigError(
-            f"pipeline_parallel_size={pipeline_parallel_size} does not divide the world size {world_size}"
-            f" (devices x nodes); choose a stage count that divides {world_size}, e.g."
-            f" {[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the world size {world_size} (devices x"
+            f" nodes); choose one of {[d for d in range(1, world_size + 1) if world_size % d == 0]}, usually the"
+            " devices of one node or fewer."
         )
-    return Layout(world_size, pp, rank, schedule, stages_per_rank)
+    pp = pipeline_parallel_size or world_size // tp
+    if pp < 1 or world_size % (pp * tp):
+        raise PipelineConfigError(
+            f"pipeline_parallel_size={pipeline_parallel_size} x tensor_parallel_size={tp} does not divide the world"
+            f" size {world_size} (devices x nodes); choose a stage count that divides {world_size // tp}, e.g."
+            f" {[d for d in range(1, world_size // tp + 1) if (world_size // tp) % d == 0]}."
+        )
+    return Layout(world_size, pp, rank, schedule, stages_per_rank, tp)
+
+
+MESH_DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")
 
 
 @dataclass(frozen=True)
 class Groups:
-    pp: dist.ProcessGroup | None  # this rank's pipeline replica (None: the whole world)
-    dp: dist.ProcessGroup | None  # this stage across replicas (None: no replicas)
+    pp: dist.ProcessGroup | None  # this rank's pipeline (None: the whole world)
+    dp: dist.ProcessGroup | None  # this stage and shard across replicas (None: no replicas)
+    mesh: Any = None  # the (data, pipeline, tensor) DeviceMesh over the world, named by MESH_DIMS
 
 
 def make_groups(layout: Layout, device_type: str) -> Groups:
-    """This rank's groups from a ("dp", "pp") DeviceMesh (collective: every rank calls it)."""
-    if layout.dp == 1:
-        return Groups(pp=None, dp=None)
+    """This rank's groups from the world's DeviceMesh (collective: every rank calls it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device_type, (layout.dp, layout.pp), mesh_dim_names=("dp", "pp"))
-    return Groups(pp=mesh.get_group("pp"), dp=mesh.get_group("dp"))
+    mesh = init_device_mesh(device_type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=MESH_DIMS)
+    if layout.dp == 1 and layout.tp == 1:
+        return Groups(pp=None, dp=None, mesh=mesh)
+    dp = mesh.get_group("data_parallel") if layout.dp > 1 else None
+    return Groups(pp=mesh.get_group("pipeline_parallel"), dp=dp, mesh=mesh)
 
 
 def batch_fingerprint(batch: Any) -> torch.Tensor:

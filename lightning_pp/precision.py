@@ -19,18 +19,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
-from torch.nn.utils import clip_grads_with_norm_, get_total_norm
+from torch.distributed.tensor import DTensor
+from torch.nn.utils import get_total_norm
 
 from lightning_pp.derive import derive
+from lightning_pp.dtensors import full_value, local_tensor
 from lightning_pp.errors import PipelineConfigError
 
 
 def global_grad_norm(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The 2-norm of the gradients of every stage's parameters (a collective over ``group``)."""
+    """The 2-norm of the gradients of every stage's parameters (a collective over ``group``).
+
+    Sharded and tensor-parallel gradients (DTensors) contribute their whole tensor's norm, computed per mesh and
+    placement (a collective over the replicas or shards that hold the pieces); plain ones their own. The sum of
+    squares then crosses the pipeline ``group``, as torchtitan's ``clip_grad_norm_`` does.
+    """
     grads = [p.grad for p in parameters if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    local = get_total_norm(grads, 2.0) if grads else torch.zeros((), device=device)
-    squared = local.float().pow(2).reshape(1)
+    device = local_tensor(grads[0]).device if grads else torch.device("cpu")
+    squared = torch.zeros(1, device=device)
+    by_layout: dict[tuple, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = (grad.device_mesh, tuple(grad.placements)) if isinstance(grad, DTensor) else ()
+        by_layout.setdefault(key, []).append(grad)
+    for key in sorted(by_layout, key=str):  # the same order on every rank of a mesh
+        norm = full_value(get_total_norm(by_layout[key], 2.0))
+        squared += norm.float().pow(2).reshape(1)
     if dist.is_initialized():
         dist.all_reduce(squared, group=group)
     return squared.sqrt()[0]
@@ -44,7 +57,12 @@ class _ClipByGlobalNorm:
         parameters = list(self.main_params(optimizer))  # type: ignore[attr-defined]
         counted = [p for p in parameters if id(p) not in self._counted_elsewhere]
         total = global_grad_norm(counted, self._pipeline_group)
-        clip_grads_with_norm_(parameters, clip_val, total)
+        # each rank scales its pieces by the one factor (torch's clip_grads_with_norm_ cannot mix DTensor and
+        # plain gradients)
+        factor = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        for p in parameters:
+            if p.grad is not None:
+                local_tensor(p.grad).mul_(factor.to(p.grad.device))
 
 
 class _OneVerdict:

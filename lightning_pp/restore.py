@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from lightning_pp.checkpoint import META_FILE, OptimizerLayout, is_complete, is_sharded, one_process_optimizer_state
+from lightning_pp.dtensors import local_tensor, shard_like
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.swap import recover
 
@@ -132,13 +133,27 @@ def restore_stage(
         assert pending.model is not None or not wanted_model
         weights = {k: pending.model[k] for k in wanted_model}  # type: ignore[index]
         states = [{j: tree_map_only(torch.Tensor, torch.clone, e) for j, (_, e) in w.items()} for w in wanted_state]
-    copied = sum(t.numel() * t.element_size() for t in weights.values())
+    copied = sum(_bytes(t) for t in weights.values())
     if wanted_model and not pending.sharded:  # sharded weights were read in place into the stage's tensors
-        module.load_state_dict(weights, strict=False)
+        module.load_state_dict({k: shard_like(v, local[k]) for k, v in weights.items()}, strict=False)
     for optimizer, layout, state, source in zip(optimizers, layouts, states, pending.optimizers or []):
-        copied += sum(t.numel() * t.element_size() for e in state.values() for t in e.values() if torch.is_tensor(t))
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        state = {j: {k: _like_parameter(v, params[j]) for k, v in e.items()} for j, e in state.items()}
+        copied += sum(_bytes(t) for e in state.values() for t in e.values() if torch.is_tensor(t))
         optimizer.load_state_dict({"state": state, "param_groups": _local_groups(source, layout)})
     return copied
+
+
+def _bytes(t: torch.Tensor) -> int:
+    t = local_tensor(t)
+    return t.numel() * t.element_size()
+
+
+def _like_parameter(value: Any, param: torch.Tensor) -> Any:
+    """Optimizer state of a sharded or tensor-parallel parameter (momentum, ...) split as the parameter is."""
+    if torch.is_tensor(value) and tuple(value.shape) == tuple(param.shape) and value.dim() > 0:
+        return shard_like(value, param)
+    return value
 
 
 def _read_sharded(

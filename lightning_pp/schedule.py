@@ -16,6 +16,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.pipelining.schedules import (
     _Action,
     _add_send_recv,
+    _add_unshard_reshard,
     _ComputationType,
     _PipelineSchedule,
     _PipelineScheduleRuntime,
@@ -220,8 +221,11 @@ class _ForwardOnlyV(_PipelineScheduleRuntime):
         for stage in self._stages:
             stage.stage_index_to_group_rank = mapping
         forward = _ComputationType.FORWARD
+        # UNSHARD/RESHARD around each stage's forwards: an FSDP-sharded stage is gathered before it computes
         self.pipeline_order = {
-            r: [_Action(s, forward, mb) for s in _v_stages(r, pp) for mb in range(self._n_microbatches)]
+            r: _add_unshard_reshard(
+                [_Action(s, forward, mb) for s in _v_stages(r, pp) for mb in range(self._n_microbatches)]
+            )
             for r in range(pp)
         }
         self.pipeline_order_with_comms = _add_send_recv(

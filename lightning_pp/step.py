@@ -155,6 +155,7 @@ class PipelineRunner:
         label: int = 0,
         sum_shared: Callable[[], None] = lambda: None,
         overlap_replicas: bool = True,
+        sharded: str | None = None,
     ) -> None:
         self.module = module  # the rank's module (all its stages): the user's step runs on it
         self.stage_indices = stage_indices
@@ -169,9 +170,12 @@ class PipelineRunner:
         # torch's stages drive DDP: no sync while micro-batches accumulate, then the gradients are averaged over
         # the replicas during the last micro-batch's backward. DDP needs one wrapper per set of parameters:
         # ``overlap_replicas=False`` where stage modules change with the batch signature (traced pieces).
+        # ``sharded`` ("step" or "microbatch", see lightning_pp.sharding): the stage modules are FSDP roots, which
+        # reduce the replicas' gradients themselves
         overlap = overlap_replicas and normalize_schedule(schedule) not in SPLIT_BACKWARD
-        self._average_over = replicas if not overlap else None
-        self._replicas = replicas
+        self._average_over = replicas if not overlap and sharded is None else None
+        self._replicas = replicas if sharded is None else None
+        self._sharded = sharded
         self._ddp: dict[int, nn.Module] = {}
         self._entries = entries
         self._sum_shared = sum_shared  # gradients of parameters other stages hold too (see lightning_pp.tied)
@@ -273,7 +277,10 @@ class PipelineRunner:
         return self._schedules[key]
 
     def _replicated(self, wrapper: StageModule) -> nn.Module:
-        """``wrapper`` under DDP when torch's stages average the replicas (one DDP per wrapper)."""
+        """``wrapper`` under DDP when torch's stages average the replicas (one DDP per wrapper); an FSDP root
+        hidden from torch's stage when each micro-batch reshards."""
+        if self._sharded == "microbatch":
+            return _Opaque(wrapper)
         if self._replicas is None or self._average_over is not None:
             return wrapper
         if id(wrapper) not in self._ddp:
@@ -324,6 +331,18 @@ class PipelineRunner:
             for entry in self._entries.values():
                 stack.enter_context(patched(entry, forward=serve))
             return self._step(self._microbatches[index], *self._step_rest, **self._step_kwargs)
+
+
+class _Opaque(nn.Module):
+    """An FSDP root torch's stage does not recognise: FSDP then reshards and reduce-scatters after every
+    micro-batch by its own hooks, as outside a pipeline (``fsdp_reshard="microbatch"``)."""
+
+    def __init__(self, root: nn.Module) -> None:
+        super().__init__()
+        self.root = root
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.root(*args, **kwargs)
 
 
 def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:

@@ -42,6 +42,7 @@ from lightning_pp.checkpoint import (
     optimizer_state_by_name,
     save_sharded,
 )
+from lightning_pp.dtensors import has_dtensors
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.exit import close_process_groups_at_exit
 from lightning_pp.launch import PipelineLauncher
@@ -63,7 +64,15 @@ from lightning_pp.schedule import (
     resolve_stages_per_rank,
 )
 from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
-from lightning_pp.step import PipelineRunner, pruned_stages
+from lightning_pp.sharding import (
+    DataParallel,
+    Reshard,
+    check_no_user_sharding,
+    check_parallelism,
+    repoint_optimizers,
+    shard_pruned_stages,
+)
+from lightning_pp.step import PipelineRunner, StageModules, pruned_stages
 from lightning_pp.swap import fault_point, swapped_in
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
@@ -104,6 +113,9 @@ class PipelineStrategy(ParallelStrategy):
         activation_checkpointing: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         split: Literal["prune", "trace"] = "prune",
+        data_parallel: DataParallel = "ddp",
+        fsdp_reshard: Reshard = "step",
+        tensor_parallel_size: int = 1,
         init_fn: Optional[InitFn] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
@@ -121,6 +133,7 @@ class PipelineStrategy(ParallelStrategy):
         if isinstance(balance, str):
             check_balance_mode(balance)
         check_split(split, activation_checkpointing)
+        check_parallelism(data_parallel, fsdp_reshard, tensor_parallel_size, self.schedule, split)
         self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.layers = layers
@@ -129,6 +142,9 @@ class PipelineStrategy(ParallelStrategy):
         self.activation_checkpointing = activation_checkpointing
         self.state_dict_type = state_dict_type
         self.split = split
+        self.data_parallel = data_parallel
+        self.fsdp_reshard = fsdp_reshard
+        self.tensor_parallel_size = int(tensor_parallel_size)
         self.init_fn = init_fn
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
@@ -145,6 +161,8 @@ class PipelineStrategy(ParallelStrategy):
         self._pending: Optional[PendingRestore] = None
         self._replace_random_samplers = False
         self._groups = Groups(pp=None, dp=None)
+        self._stages: Optional[tuple[dict[int, nn.Module], StageModules]] = None  # views and stage modules, once pruned
+        self._sharded = False
         self._fitting = False
         self._pruned = False
         # set by PipelineMonitor: time the next training step's compute and waits on this rank
@@ -175,9 +193,14 @@ class PipelineStrategy(ParallelStrategy):
 
     @property
     def layout(self) -> Layout:
-        """This rank's place in the (replica, stage) grid."""
+        """This rank's place in the (replica, stage, tensor-parallel shard) grid."""
         return make_layout(
-            self.pipeline_parallel_size, self.world_size, self.global_rank, self.schedule, self.stages_per_rank
+            self.pipeline_parallel_size,
+            self.world_size,
+            self.global_rank,
+            self.schedule,
+            self.stages_per_rank,
+            self.tensor_parallel_size,
         )
 
     @property
@@ -212,7 +235,9 @@ class PipelineStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         close_process_groups_at_exit()
         self._groups = make_groups(layout, self.root_device.type)
-        if layout.dp > 1:
+        # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
+        self.lightning_module._device_mesh = self._groups.mesh
+        if layout.dp > 1 or layout.tp > 1:
             rank_zero_info(layout.describe(self.num_processes))
 
     def set_world_ranks(self) -> None:
@@ -228,6 +253,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._placement is None:
             check_module(module, self.layers, self.balance, self.n_stages)
         check_initializers(module, self.init_fn)
+        check_no_user_sharding(module, self.tensor_parallel_size)
         check_training_setup(module, self.schedule, self.n_microbatches, self.layout)
         if self.layout.dp == 1:
             # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
@@ -267,6 +293,7 @@ class PipelineStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         m, accumulate = self.microbatches_for(batch_size_of(args[0])), trainer.accumulate_grad_batches
         scale = loss_multiplier(self.precision_plugin) / (m * accumulate)
+        runner = self._prepare("training_step", args, kwargs)  # the stages' Parameters (sharded, real) exist from here
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         # the first batch of an accumulation window: Lightning zeroes the earlier gradients before backward, so
         # they are released now rather than held beside this step's (``on_before_zero_grad`` sees none)
@@ -276,7 +303,7 @@ class PipelineStrategy(ParallelStrategy):
             p.grad = None
         try:
             with self.precision_plugin.train_step_context():
-                loss = self._pipelined("training_step", args, kwargs, train=True, loss_scale=scale)
+                loss = self._pipelined("training_step", args, kwargs, train=True, loss_scale=scale, runner=runner)
             # Lightning zeroes gradients between training_step and backward: keep this step's aside
             self._step_grads = [(p, p.grad) for p in params]
         finally:
@@ -334,12 +361,21 @@ class PipelineStrategy(ParallelStrategy):
             trainer.predict_loop.return_predictions = False
         self._check_loaders("predict", trainer.predict_dataloaders, trainer.num_predict_batches)
 
-    def _pipelined(
-        self, hook: str, args: tuple, kwargs: dict, train: bool, loss_scale: float = 1.0
-    ) -> Optional[Tensor]:
+    def _prepare(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
         if len(args) < 2 or args[1] == 0:  # the first batch of each pass over a loader
             check_same_batch(args[0], self._groups.pp)
-        runner = self._ensure_pipeline(hook, args, kwargs)
+        return self._ensure_pipeline(hook, args, kwargs)
+
+    def _pipelined(
+        self,
+        hook: str,
+        args: tuple,
+        kwargs: dict,
+        train: bool,
+        loss_scale: float = 1.0,
+        runner: Optional[PipelineRunner] = None,
+    ) -> Optional[Tensor]:
+        runner = runner or self._prepare(hook, args, kwargs)
         m = self.microbatches_for(batch_size_of(args[0]))
         report = runner.run(
             hook, args, kwargs, m, train=train, loss_scale=loss_scale, record=train and self.record_next_step
@@ -367,25 +403,23 @@ class PipelineStrategy(ParallelStrategy):
         return self.n_microbatches or default_microbatches(batch_size, self.schedule, self.layout.pp, self.n_stages)
 
     def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
-        """At the first batch: learn the module's structure, then hold, materialise and restore this rank's stages."""
+        """At the first batch: learn the module's structure, then hold, materialise, shard and restore this rank's
+        stages."""
         if self._runner is not None:
             return self._runner
-        module = self.lightning_module
+        module, layout = self.lightning_module, self.layout
         if self._placement is None:
             m = self.microbatches_for(batch_size_of(args[0]))
             self._placement, self._tracer = learn_placement(
                 module, self.layers, self.n_stages, self.balance, hook, args, kwargs, m, self.root_device, self.split
             )
         sync_metrics_over(module, self._groups.dp)
-        placement, stages = self._placement, self.layout.stages
-        local = self._local_stages()
-        views = {s: stage_view(local, placement, [s]) for s in stages}
-        shared = share_parameters(local, views, placement, self.layout)
+        local, views, make_stages = self._local_stages()
+        shared = share_parameters(local, views, self._placement, layout)
         count_once(self.precision_plugin, shared.counted_elsewhere)
-        make_stages = self._tracer.stages(views, self.root_device) if self._tracer else pruned_stages(views, placement)
         self._runner = PipelineRunner(
             local,
-            stages,
+            layout.stages,
             make_stages,
             self.n_stages,
             self.root_device,
@@ -393,26 +427,26 @@ class PipelineStrategy(ParallelStrategy):
             self.schedule,
             model_entries(local, self.layers),
             self._groups.dp,
-            label=self.layout.pp_rank,
+            label=layout.pp_rank,
             sum_shared=shared.sum_gradients,
             overlap_replicas=self._tracer is None,
+            sharded=self.fsdp_reshard if self._sharded else None,
         )
-        layout = self.layout
         # P2P on NCCL needs device tensors
         device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
-        self._relay = ReportRelay(
-            layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, device
-        )
+        self._relay = ReportRelay(layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, device)
         return self._runner
 
-    def _local_stages(self) -> nn.Module:
-        """This rank's stages on its device: pruned for training (the rest is freed), a view otherwise (a
-        later fit still sees the whole module); then the checkpoint being restored, if any."""
+    def _local_stages(self) -> tuple[nn.Module, dict[int, nn.Module], StageModules]:
+        """This rank's stages on its device: pruned for training (the rest is freed), a view otherwise (a later
+        fit still sees the whole module); sharded over the replicas under FSDP; then the checkpoint being
+        restored, if any. Returns the rank's module, a view per stage, and what makes the stage modules."""
         module, placement, stages = self.lightning_module, self._placement, self.layout.stages
         assert placement is not None
+        names = {id(p): n for n, p in module.named_parameters()}
+        held = list(module.parameters())  # the optimizers' Parameters stay alive (and their ids unique) until re-pointed
         if self._fitting and not self._pruned:
             self._state_keys = list(module.state_dict().keys())
-            names = {id(p): n for n, p in module.named_parameters()}
             prune_to_stages(module, placement, stages)
             guard_forwards(module, placement, stages, model_entries(module, self.layers).values())
             local_ids = {id(p) for p in module.parameters()}
@@ -421,13 +455,26 @@ class PipelineStrategy(ParallelStrategy):
             if self.activation_checkpointing:
                 checkpoint_layers(find_layers(module, self.layers))
         local = module if self._pruned else stage_view(module, placement, stages)
-        materialize(local, self.root_device, init_fn=self.init_fn)
+        if self._stages is None or not self._pruned:
+            views = {s: stage_view(local, placement, [s]) for s in stages}
+            self._sharded = self.data_parallel == "fsdp" and self._pruned
+            if self._sharded:
+                mesh = self._groups.mesh["data_parallel"]
+                made = shard_pruned_stages(local, views, placement, mesh, self.fsdp_reshard, self.root_device, self.init_fn)
+                self._stages = (views, made)
+            else:
+                materialize(local, self.root_device, init_fn=self.init_fn)
+                self._stages = (views, self._tracer.stages(views, self.root_device) if self._tracer else None)
+        views, make_stages = self._stages
+        make_stages = make_stages or pruned_stages(views, placement)
+        repoint_optimizers([_unwrap(o) for o in self.optimizers], names, local)
+        del held
         if self._pending is not None:
             optimizers = [_unwrap(o) for o in self.optimizers]
             copied = restore_stage(self._pending, local, optimizers, self._optimizer_layouts)
             self._pending = None
             rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
-        return local
+        return local, views, make_stages
 
     # ------------------------------------------------------------------ data
     @override
@@ -512,9 +559,8 @@ class PipelineStrategy(ParallelStrategy):
         check_materialized(self.lightning_module)
         if not self._pruned or self.state_dict_type == "sharded":
             return super().lightning_module_state_dict()
-        if self.layout.replica != 0:  # replicas are identical: replica 0 makes the file
-            return {}
-        return gather_model_state(self.lightning_module, self._state_keys, self._groups.pp)
+        writer = self.layout.writes_full_checkpoint
+        return gather_model_state(self.lightning_module, self._state_keys, self._groups.pp, writer)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -526,9 +572,8 @@ class PipelineStrategy(ParallelStrategy):
             return optimizer_state_by_name(optimizer, self._layout_of(optimizer))
         if not self._pruned:
             return optimizer.state_dict()
-        if self.layout.replica != 0:
-            return {}
-        return gather_optimizer_state(optimizer, self._layout_of(optimizer), self._groups.pp)
+        writer = self.layout.writes_full_checkpoint
+        return gather_optimizer_state(optimizer, self._layout_of(optimizer), self._groups.pp, writer)
 
     def _layout_of(self, optimizer: torch.optim.Optimizer) -> OptimizerLayout:
         return self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
@@ -560,7 +605,9 @@ class PipelineStrategy(ParallelStrategy):
         rank = self.global_rank
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
             if self.state_dict_type == "sharded":
-                if self.layout.replica == 0:  # one shard per stage, not per replica
+                if has_dtensors(self.lightning_module):  # every rank holds its own piece
+                    save_sharded(checkpoint, partial, rank, None)
+                elif self.layout.replica == 0:  # one shard per stage, not per replica
                     save_sharded(checkpoint, partial, rank, self._groups.pp)
             elif self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)

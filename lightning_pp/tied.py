@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pp.dtensors import local_tensor
 from lightning_pp.mesh import Layout
 from lightning_pp.stage import Placement, Tie, get_path, replace_in_view
 
@@ -60,7 +61,7 @@ class SharedParameters:
                     held.param.grad.add_(stand_in.grad)
                     stand_in.grad = None
             if held.group is not None:
-                dist.all_reduce(held.param.grad, group=held.group)
+                dist.all_reduce(local_tensor(held.param.grad), group=held.group)
 
 
 def share_parameters(
@@ -85,7 +86,7 @@ def share_parameters(
             stand_ins.append(stand_in)
         if group is not None:
             with torch.no_grad():
-                dist.broadcast(param, src=layout.stage_rank(tie.source), group=group)
+                dist.broadcast(local_tensor(param), src=layout.stage_rank(tie.source), group=group)
         held.append(_Held(param, tuple(stand_ins), group, counted=tie.source in layout.stages))
     return SharedParameters(held)
 
@@ -97,9 +98,10 @@ def _holder_groups(ties: tuple[Tie, ...], layout: Layout) -> list[dist.ProcessGr
     mine: list[dist.ProcessGroup | None] = []
     for tie in ties:
         for replica in range(layout.dp):
-            ranks = tuple(sorted({layout.stage_rank(s, replica) for s in tie.stages}))
-            if len(ranks) > 1 and ranks not in created:
-                created[ranks] = dist.new_group(list(ranks))
+            for shard in range(layout.tp):
+                ranks = tuple(sorted({layout.stage_rank(s, replica, shard) for s in tie.stages}))
+                if len(ranks) > 1 and ranks not in created:
+                    created[ranks] = dist.new_group(list(ranks))
         ranks = tuple(sorted({layout.stage_rank(s) for s in tie.stages}))
         mine.append(created.get(ranks) if layout.rank in ranks else None)
     return mine

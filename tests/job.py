@@ -44,6 +44,7 @@ from models import (  # noqa: E402
 )
 
 import lightning_pp  # noqa: E402,F401
+from lightning_pp.dtensors import local_tensor  # noqa: E402
 
 MODELS = {
     "tiny": TinyGPT,
@@ -237,6 +238,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             state_dict_type=cfg.get("state_dict_type", "full"),
             split=cfg.get("split", "prune"),
             pipeline_parallel_size=cfg.get("pp"),
+            data_parallel=cfg.get("data_parallel", "ddp"),
+            fsdp_reshard=cfg.get("fsdp_reshard", "step"),
+            tensor_parallel_size=cfg.get("tp", 1),
             timeout=cfg.get("timeout", 60),
         )
         devices = cfg["devices"]
@@ -296,6 +300,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
         "params": sorted(n for n, _ in model.named_parameters()),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "local_param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()),
         "meta_params": sum(p.is_meta for p in model.parameters()),
         "whole_bytes": whole_bytes,
         "peak_growth": usage.peak_growth,

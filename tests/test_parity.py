@@ -53,7 +53,10 @@ SCENARIOS = {
 }
 
 
-PIPELINE_ONLY = ("schedule", "devices", "m", "params", "layers", "balance", "activation_checkpointing")
+PIPELINE_ONLY = (
+    "schedule", "devices", "m", "params", "layers", "balance", "activation_checkpointing", "pp", "data_parallel",
+    "fsdp_reshard", "tp",
+)  # fmt: skip
 
 
 def common(cfg: dict) -> dict:

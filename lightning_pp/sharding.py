@@ -1,0 +1,188 @@
+"""FSDP2 over a stage's replicas (``data_parallel="fsdp"``): parameters, gradients and optimizer state split.
+
+Each stage's layers, then its other parts, then the stage module torch's ``PipelineStage`` runs are
+``fully_shard``-ed over the replicas of that stage, in that order, so that the stage module is the
+FSDP root. torch's schedules then drive FSDP themselves (stage.py: no gradient sync or reshard during
+the micro-batches, one reduce-scatter per unit in ``perform_reduce_grad``; UNSHARD/RESHARD actions in
+the runtime schedules): ``fsdp_reshard="step"``, a stage unsharded for the whole step, the least
+communication. ``"microbatch"`` hides FSDP from the stage, which then reshards after every forward
+and backward and reduce-scatters every micro-batch's gradients, as plain FSDP (ZeRO-3) does: a rank
+holds little more than one layer unsharded, at the price of ~2m all-gathers and m reduce-scatters
+per unit per step.
+
+A stage built on meta is materialised one unit at a time, each whole by the name rule and then
+sharded, so it never exists unsharded before the first step. ``fully_shard`` replaces every
+Parameter object: the rank's module adopts the new ones by name and the user's optimizers are
+re-pointed by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_pp.dtensors import has_dtensors
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.materialize import InitFn, materialize
+from lightning_pp.schedule import SPLIT_BACKWARD, normalize_schedule
+from lightning_pp.stage import Placement, find_layers, get_path
+from lightning_pp.step import StageModules, pruned_stages
+
+DataParallel = Literal["ddp", "fsdp"]
+Reshard = Literal["step", "microbatch"]
+
+
+def check_parallelism(
+    data_parallel: str, fsdp_reshard: str, tensor_parallel_size: int, schedule: str, split: str
+) -> None:
+    """Arguments that cannot work, refused on every rank when the strategy is built."""
+    if data_parallel not in ("ddp", "fsdp"):
+        raise PipelineConfigError(
+            f"Unknown data_parallel={data_parallel!r}; use 'ddp' (each replica holds its whole stage) or 'fsdp'"
+            " (FSDP2 shards each stage's parameters, gradients and optimizer state over its replicas)."
+        )
+    if fsdp_reshard not in ("step", "microbatch"):
+        raise PipelineConfigError(
+            f"Unknown fsdp_reshard={fsdp_reshard!r}; use 'step' (a stage stays unsharded during a step: least"
+            " communication) or 'microbatch' (parameters resharded and gradients reduce-scattered after every"
+            " micro-batch: least memory)."
+        )
+    if int(tensor_parallel_size) < 1:
+        raise PipelineConfigError(f"tensor_parallel_size={tensor_parallel_size} must be a positive integer.")
+    if data_parallel == "fsdp" and fsdp_reshard == "microbatch" and normalize_schedule(schedule) in SPLIT_BACKWARD:
+        raise PipelineConfigError(
+            f"fsdp_reshard='microbatch' with schedule={schedule!r}: the zero-bubble and V schedules split each"
+            " backward into an input and a weight half, between which FSDP would reshard the weights. Use"
+            " fsdp_reshard='step' with this schedule, or schedule='1f1b', 'gpipe' or 'interleaved_1f1b'."
+        )
+    if split == "trace" and int(tensor_parallel_size) > 1:
+        raise PipelineConfigError(
+            f"split='trace' with tensor_parallel_size={tensor_parallel_size}: a tensor-parallel plan is applied to"
+            " the user's modules in configure_model, which the traced pieces do not run. Use split='prune' (the"
+            " default) with tensor parallelism."
+        )
+    if split == "trace" and data_parallel == "fsdp":
+        raise PipelineConfigError(
+            "split='trace' with data_parallel='fsdp' is not supported yet: the traced pieces are rebuilt per batch"
+            " shape, FSDP needs one root per stage. Use data_parallel='ddp' with split='trace', or split='prune'."
+        )
+
+
+def check_no_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
+    """The strategy applies FSDP itself, in the order torch's pipeline stages need; a tensor-parallel size
+    without a plan is most likely a forgotten ``configure_model``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if tensor_parallel_size > 1 and not has_dtensors(module):
+        rank_zero_warn(
+            f"tensor_parallel_size={tensor_parallel_size}, but {type(module).__name__} has no tensor-parallel"
+            " parameters: its configure_model applied no plan, so every shard computes the whole layers. Apply one"
+            " with parallelize_module(block, self.device_mesh['tensor_parallel'], plan) in configure_model."
+        )
+
+    sharded = [name or "<root>" for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    if sharded:
+        raise PipelineConfigError(
+            f"{type(module).__name__} has modules already sharded with fully_shard: {sharded[:4]}. Under"
+            " PipelineStrategy the strategy shards each stage itself (it must be the FSDP root torch's pipeline"
+            " stage drives): remove fully_shard from configure_model and pass PipelineStrategy(data_parallel='fsdp')."
+            " Tensor parallelism (parallelize_module with self.device_mesh['tensor_parallel']) stays in"
+            " configure_model."
+        )
+
+
+def check_ties_on_one_rank(placement: Placement, stages: list[int]) -> None:
+    """A tensor two of this rank's stages hold would be two FSDP shards of different roots."""
+    for tie in placement.ties:
+        local = [s for s in stages if s in tie.stages]
+        if len(local) > 1:
+            raise PipelineConfigError(
+                f"{' = '.join(tie.names)} is used by stages {local}, which one rank holds under this schedule;"
+                " with data_parallel='fsdp' a rank's two stages cannot share a tensor yet. Use a schedule with one"
+                " stage per rank for this model ('1f1b', 'gpipe', 'interleaved_1f1b' place the first and last"
+                " stage on different ranks), or data_parallel='ddp'."
+            )
+
+
+def stage_units(view: nn.Module, placement: Placement, stage: int) -> list[tuple[str, nn.Module]]:
+    """The stage's FSDP units below its root, by qualified name: its layers, then its other parts."""
+    layers = find_layers(view, placement.layers_path)
+    units = [(f"{placement.layers_path}.{key}", layers[key]) for key in placement.layers_of(stage)]
+    for name, stages in placement.parts.items():
+        part = get_path(view, name)
+        if stage in stages and isinstance(part, nn.Module) and any(True for _ in part.parameters()):
+            units.append((name, part))
+    return units
+
+
+def shard_pruned_stages(
+    module: nn.Module,
+    views: dict[int, nn.Module],
+    placement: Placement,
+    mesh: Any,
+    reshard: Reshard,
+    device: torch.device,
+    init_fn: InitFn | None = None,
+) -> StageModules:
+    """This rank's stage modules (``split="prune"``), each the FSDP root of its stage over ``mesh`` (the stage's
+    replicas); ``module`` (the rank's pruned module) then holds the sharded Parameters."""
+    check_ties_on_one_rank(placement, list(views))
+    modules = pruned_stages(views, placement)(True, None)  # type: ignore[arg-type]
+    _shard_stages(views, dict(zip(views, modules)), placement, mesh, reshard, device, init_fn)
+    adopt_parameters(module, views.values())
+    return lambda train, call: modules
+
+
+def _shard_stages(
+    views: dict[int, nn.Module],
+    roots: dict[int, nn.Module],
+    placement: Placement,
+    mesh: Any,
+    reshard: Reshard,
+    device: torch.device,
+    init_fn: InitFn | None,
+) -> None:
+    """Materialise and shard each stage unit by unit; ``roots[s]`` (which runs ``views[s]``) becomes its root."""
+    from torch.distributed.fsdp import fully_shard
+
+    options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard == "microbatch")
+    for stage, view in views.items():
+        for name, unit in stage_units(view, placement, stage):
+            materialize(unit, device, init_fn=init_fn, prefix=name)
+            fully_shard(unit, **options)
+        materialize(view, device, init_fn=init_fn)  # what is left: loose parameters, buffers
+        fully_shard(roots[stage], **options)
+
+
+def adopt_parameters(module: nn.Module, views: Iterable[nn.Module]) -> None:
+    """The rank's module takes the Parameters its stages' views now hold (FSDP replaced those it sharded in
+    the views' own copies of the containers on the layers' path)."""
+    for view in views:
+        for name, param in view.named_parameters(remove_duplicate=False):
+            parent, _, attr = name.rpartition(".")
+            owner = get_path(module, parent) if parent else module
+            if owner is not None and owner._parameters.get(attr) is not param and attr in owner._parameters:
+                owner._parameters[attr] = param
+
+
+def repoint_optimizers(
+    optimizers: Iterable[torch.optim.Optimizer], names: dict[int, str], module: nn.Module
+) -> None:
+    """Each optimizer's parameters replaced by the module's Parameters of the same name (and their state moved).
+
+    ``names`` maps ``id`` of the Parameters the optimizers hold to their names; the caller keeps those
+    Parameters alive until this returns, so that no ``id`` is reused.
+    """
+    current = dict(module.named_parameters(remove_duplicate=False))
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            fresh = [current.get(names.get(id(p), ""), p) for p in group["params"]]
+            for old, new in zip(group["params"], fresh):
+                if old is not new and old in optimizer.state:
+                    optimizer.state[new] = optimizer.state.pop(old)
+            group["params"] = fresh
