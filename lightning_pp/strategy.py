@@ -253,7 +253,8 @@ class PipelineStrategy(ParallelStrategy):
         if self._placement is None:
             check_module(module, self.layers, self.balance, self.n_stages)
         check_initializers(module, self.init_fn)
-        check_no_user_sharding(module, self.tensor_parallel_size)
+        if not self._pruned:  # an earlier fit sharded it itself
+            check_no_user_sharding(module, self.tensor_parallel_size)
         check_training_setup(module, self.schedule, self.n_microbatches, self.layout)
         if self.layout.dp == 1:
             # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import torch
 from conftest import ok, run_job
+from models import TinyGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
 from test_tied import assert_state_equal, combined
 
 from lightning_pp.checkpoint import load_sharded
+from lightning_pp.consolidate import consolidate
 
 PARAM_TOL = 1e-5
-FSDP = dict(devices=4, pp=2, data_parallel="fsdp", batch=8, n_train=64, n_val=16, sync_dist=True, max_steps=6)
+FSDP = dict(devices=4, pp=2, data_parallel="fsdp", batch=8, n_train=64, n_val=16, sync_dist=True, max_steps=6, max_epochs=3)
 
 
 def test_fsdp_1f1b_with_clipping_and_adamw_trains_as_one_process(tmp_path, reference):
@@ -21,3 +23,41 @@ def test_fsdp_1f1b_with_clipping_and_adamw_trains_as_one_process(tmp_path, refer
         assert abs(job.rank(rank)["train"][-1]["train_loss"] - ref["train"][-1]["train_loss"]) <= LOSS_TOL
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+    plain = TinyGPT.load_from_checkpoint(job.out / "final.ckpt")  # the full checkpoint in the plain module
+    assert torch.equal(plain.net.head.weight, ref["state"]["net.head.weight"].to(plain.device)) or torch.allclose(
+        plain.net.head.weight, ref["state"]["net.head.weight"], atol=PARAM_TOL, rtol=0
+    )
+
+    # that file resumed by interleaved 1F1B (4 stages on 2 ranks, 2 replicas, sharded) and by one process
+    resume = dict(cfg, schedule="interleaved_1f1b", m=4, max_steps=11, max_epochs=5, resume=str(job.out / "final.ckpt"))
+    again = ok(run_job({**resume, "strategy": "pipeline"}, tmp_path / "again"))
+    assert_same_logs(again.rank(0), reference(**combined(resume)), LOSS_TOL)
+
+
+def test_fsdp_gpipe_microbatch_reshard_with_accumulation_trains_as_one_process(tmp_path, reference):
+    cfg = dict(FSDP, schedule="gpipe", m=4, fsdp_reshard="microbatch", accumulate=2, max_steps=4, build="init_module", model="init")
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
+    ref = reference(**combined(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+    whole = job.rank(0)["whole_bytes"]
+    for rank in range(4):  # each rank holds half of its stage
+        assert job.rank(rank)["local_param_bytes"] <= 0.3 * whole, (rank, job.rank(rank)["local_param_bytes"], whole)
+
+
+def test_fsdp_zbv_with_validation_saves_a_sharded_checkpoint_that_resumes_under_ddp(tmp_path, reference):
+    cfg = dict(FSDP, schedule="zbv", m=4, state_dict_type="sharded", val_check_interval=0.5, test=True)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
+    ref = reference(**combined(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    ckpt = load_sharded(job.out / "final.ckpt")
+    assert_state_equal(ckpt["state_dict"], ref["state"], PARAM_TOL)
+    for rank in range(4):
+        assert abs(job.rank(rank)["validate"]["val_loss"] - ref["validate"]["val_loss"]) <= LOSS_TOL
+
+    # resumed from that directory by 1F1B on 3 ranks without replicas, and by one process from its consolidation
+    resume = dict(common(cfg), sync_dist=False, max_steps=10, test=False)
+    three = ok(run_job({**resume, "resume": str(job.out / "final.ckpt"), "strategy": "pipeline", "devices": 3, "m": 4},
+                       tmp_path / "three"))  # fmt: skip
+    whole = consolidate(job.out / "final.ckpt", tmp_path / "whole.ckpt")
+    assert_same_logs(three.rank(0), reference(**resume, resume=str(whole)), LOSS_TOL)
