@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from lightning_pp.dtensors import whole_parameters
@@ -42,7 +43,8 @@ def empty_weights() -> Iterator[None]:
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         register(module, name, param)
-        if param is not None and not param.is_meta:
+        # a tensor-parallel plan re-registers existing parameters as DTensors: they stay where they were
+        if param is not None and not param.is_meta and not isinstance(param, DTensor):
             attributes = {**param.__dict__, "requires_grad": param.requires_grad}
             module._parameters[name] = type(param)(param.to("meta"), **attributes)
 

@@ -414,3 +414,27 @@ class NanoGPT(nn.Module):
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
+
+
+class TensorParallelGPT(TinyGPT):
+    """Splits each block's MLP over ``self.device_mesh["tensor_parallel"]`` in ``configure_model`` (column-wise then
+    row-wise, Megatron's MLP), as under Lightning's ModelParallelStrategy; one process runs it whole."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        mesh = self.device_mesh
+        if mesh is None or mesh["tensor_parallel"].size() == 1:
+            return
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        for block in self.net.blocks.values():
+            if not isinstance(block.ff[0].weight, DTensor):  # configure_model runs again for validate/test
+                parallelize_module(block, mesh["tensor_parallel"], {"ff.0": ColwiseParallel(), "ff.2": RowwiseParallel()})
+
+
+class TensorParallelInitGPT(TensorParallelGPT):
+    """``TensorParallelGPT`` with an initialiser for its loose position table, for builds on meta."""
+
+    def make_net(self) -> Net:
+        return InitNet(self.hparams.vocab, self.hparams.dim, self.hparams.n_layers, self.hparams.seq)

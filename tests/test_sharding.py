@@ -61,3 +61,19 @@ def test_fsdp_zbv_with_validation_saves_a_sharded_checkpoint_that_resumes_under_
                        tmp_path / "three"))  # fmt: skip
     whole = consolidate(job.out / "final.ckpt", tmp_path / "whole.ckpt")
     assert_same_logs(three.rank(0), reference(**resume, resume=str(whole)), LOSS_TOL)
+
+
+def test_tensor_parallel_plan_in_configure_model_trains_as_one_process(tmp_path, reference):
+    # pp=2 x tp=2: each block's MLP split column-wise then row-wise over the shards, built on meta (SGD: Adam would
+    # amplify the shards' other summation order to ~1e-5 in 5 steps)
+    cfg = dict(model="tpinit", devices=4, pp=2, tp=2, schedule="1f1b", m=2, batch=8, n_train=48, n_val=16,
+               max_steps=5, clip=0.05, build="init_module", state_dict_type="sharded", optimizer="sgd", lr=0.5)  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
+    ref = reference(**common(cfg))
+    for rank in range(4):
+        assert abs(job.rank(rank)["train"][-1]["train_loss"] - ref["train"][-1]["train_loss"]) <= LOSS_TOL
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    ckpt = load_sharded(job.out / "final.ckpt")
+    assert_state_equal(ckpt["state_dict"], ref["state"], PARAM_TOL)
+    # each shard holds half of every MLP matrix
+    assert job.rank(0)["local_param_bytes"] < job.rank(0)["param_bytes"] * 0.8
