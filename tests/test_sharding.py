@@ -77,3 +77,14 @@ def test_tensor_parallel_plan_in_configure_model_trains_as_one_process(tmp_path,
     assert_state_equal(ckpt["state_dict"], ref["state"], PARAM_TOL)
     # each shard holds half of every MLP matrix
     assert job.rank(0)["local_param_bytes"] < job.rank(0)["param_bytes"] * 0.8
+
+
+def test_fsdp_over_tensor_parallel_stages_trains_as_one_process(tmp_path, reference):
+    # dp=2 x pp=2 x tp=2 on 8 ranks: FSDP shards the tensor-parallel slices over the replicas (2-D DTensors)
+    cfg = dict(model="tpinit", build="init_module", devices=8, pp=2, tp=2, data_parallel="fsdp", m=2, batch=8,
+               n_train=64, n_val=16, max_steps=4, max_epochs=3, clip=0.05, optimizer="sgd", lr=0.5, sync_dist=True)  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
+    ref = reference(**combined(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+    assert job.rank(7)["local_param_bytes"] < 0.4 * job.rank(7)["param_bytes"]
