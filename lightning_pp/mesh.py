@@ -117,8 +117,9 @@ def make_layout(
     pp = pipeline_parallel_size or world_size // tp
     if pp < 1 or world_size % (pp * tp):
         raise PipelineConfigError(
-            f"pipeline_parallel_size={pipeline_parallel_size} x tensor_parallel_size={tp} does not divide the world"
-            f" size {world_size} (devices x nodes); choose a stage count that divides {world_size // tp}, e.g."
+            f"pipeline_parallel_size={pipeline_parallel_size}{f' x tensor_parallel_size={tp}' if tp > 1 else ''} does"
+            f" not divide the world size {world_size} (devices x nodes); choose a stage count that divides"
+            f" {world_size // tp}, e.g."
             f" {[d for d in range(1, world_size // tp + 1) if (world_size // tp) % d == 0]}."
         )
     return Layout(world_size, pp, rank, schedule, stages_per_rank, tp)

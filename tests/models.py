@@ -438,3 +438,15 @@ class TensorParallelInitGPT(TensorParallelGPT):
 
     def make_net(self) -> Net:
         return InitNet(self.hparams.vocab, self.hparams.dim, self.hparams.n_layers, self.hparams.seq)
+
+
+class SelfShardedGPT(TinyGPT):
+    """Applies FSDP itself in ``configure_model``, which the strategy must refuse (it shards each stage itself)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        for block in self.net.blocks.values():
+            if not isinstance(block, FSDPModule):
+                fully_shard(block, mesh=self.device_mesh["data_parallel"])

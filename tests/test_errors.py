@@ -24,6 +24,12 @@ from lightning_pp.planning import check_module, check_training_setup
         (dict(state_dict_type="distributed"), PipelineConfigError, r"Unknown state_dict_type='distributed'"),
         (dict(balance="speed"), ValueError, r"Unknown balance='speed'"),
         (dict(n_microbatches=0), PipelineConfigError, r"n_microbatches=0 must be a positive integer"),
+        (dict(data_parallel="zero3"), PipelineConfigError, r"Unknown data_parallel='zero3'; use 'ddp' .* or 'fsdp'"),
+        (dict(data_parallel="fsdp", fsdp_reshard="layer"), PipelineConfigError, r"Unknown fsdp_reshard='layer'"),
+        (dict(data_parallel="fsdp", fsdp_reshard="microbatch", schedule="zbv"), PipelineConfigError,
+         r"fsdp_reshard='microbatch' with schedule='zbv'.*Use fsdp_reshard='step'"),
+        (dict(split="trace", tensor_parallel_size=2), PipelineConfigError, r"split='trace' with tensor_parallel_size=2"),
+        (dict(tensor_parallel_size=0), PipelineConfigError, r"tensor_parallel_size=0 must be a positive integer"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs, error, match):
@@ -50,6 +56,13 @@ def test_checks_before_the_first_batch():
         check_training_setup(model, "1f1b", 4, make_layout(2, 2, 0))
     with pytest.raises(PipelineConfigError, match=r"pipeline_parallel_size=3 does not divide the world size 4"):
         make_layout(3, 4, 0)
+    with pytest.raises(PipelineConfigError, match=r"tensor_parallel_size=3 does not divide the world size 4"):
+        make_layout(None, 4, 0, tensor_parallel_size=3)
+    with pytest.raises(PipelineConfigError, match=r"pipeline_parallel_size=4 x tensor_parallel_size=2 does not divide"):
+        make_layout(4, 4, 0, tensor_parallel_size=2)
+    layout = make_layout(2, 8, 5, tensor_parallel_size=2)  # (replica, stage, shard) = (1, 0, 1)
+    assert (layout.dp, layout.replica, layout.pp_rank, layout.tp_rank, layout.last_stage_rank) == (2, 1, 0, 1, 7)
+    assert layout.pipeline_ranks(1) == [5, 7] and not layout.writes_full_checkpoint
 
 
 def _alive(pid: int) -> bool:

@@ -88,3 +88,13 @@ def test_fsdp_over_tensor_parallel_stages_trains_as_one_process(tmp_path, refere
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     assert_state_equal(job.state(), ref["state"], PARAM_TOL)
     assert job.rank(7)["local_param_bytes"] < 0.4 * job.rank(7)["param_bytes"]
+
+
+def test_fully_shard_in_configure_model_and_a_missing_plan_are_reported_on_every_rank(tmp_path):
+    base = dict(devices=4, pp=2, m=2, batch=8, n_train=16, max_steps=1, sanity=0, timeout=30)
+    job = run_job({**base, "model": "self_sharded", "data_parallel": "fsdp", "strategy": "pipeline"}, tmp_path / "a")
+    assert job.returncode != 0 and job.seconds < 60
+    assert job.output.count("has modules already sharded with fully_shard: ['net.blocks.b0'") == 4, job.output[-3000:]
+    # tensor_parallel_size=2 but configure_model applied no plan: said once, and the run still trains
+    plain = ok(run_job({**base, "tp": 2, "strategy": "pipeline"}, tmp_path / "b"))
+    assert plain.output.count("its configure_model applied no plan") == 1, plain.output[-3000:]
