@@ -53,6 +53,8 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["trainer=slurm", "hydra/launcher=slurm"],
         ["logger=tensorboard", "callbacks=none"],
         ["strategy.schedule=gpipe", "strategy.balance=[1,3]", "strategy.n_microbatches=8"],
+        ["trainer.devices=8", "strategy.data_parallel=fsdp", "strategy.fsdp_reshard=microbatch",
+         "strategy.tensor_parallel_size=2", "strategy.pipeline_parallel_size=2"],
     ],
 )
 def test_every_config_group_composes(overrides):
@@ -60,7 +62,8 @@ def test_every_config_group_composes(overrides):
     assert cfg.strategy._target_ == "lightning_pp.PipelineStrategy"
     assert set(cfg.strategy) - {"_target_"} == {
         "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
-        "activation_checkpointing", "state_dict_type", "split", "init_fn", "timeout",
+        "activation_checkpointing", "state_dict_type", "split", "init_fn", "timeout", "data_parallel", "fsdp_reshard",
+        "tensor_parallel_size",
     }  # fmt: skip
     if "model=gpt2_tiny" in overrides:  # the model's config sets how the strategy splits it
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.transformer.h")

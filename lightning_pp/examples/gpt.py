@@ -1,7 +1,9 @@
 """A small GPT following the seed convention.
 
 The model keeps its blocks in an ``nn.ModuleDict`` and its ``forward`` skips parts that are
-``None``: that is all ``PipelineStrategy`` asks of a module.
+``None``: that is all ``PipelineStrategy`` asks of a module. Its ``configure_model`` splits each
+block's MLP over the tensor-parallel ranks when the strategy has some
+(``PipelineStrategy(tensor_parallel_size=2)``, or Lightning's ``ModelParallelStrategy``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 
 class Block(nn.Module):
@@ -35,6 +39,16 @@ class GPT(L.LightningModule):
         self.layers = nn.ModuleDict({str(i): Block(dim, n_heads, seq_len) for i in range(n_layers)})
         self.norm = nn.LayerNorm(dim)
         self.output = nn.Linear(dim, vocab)
+
+    def configure_model(self) -> None:
+        """Megatron's MLP split: the first linear column-wise, the second row-wise (one all-reduce per block)."""
+        mesh = self.device_mesh
+        if mesh is None or "tensor_parallel" not in (mesh.mesh_dim_names or ()) or mesh["tensor_parallel"].size() == 1:
+            return
+        plan = {"linear1": ColwiseParallel(), "linear2": RowwiseParallel()}
+        for block in self.layers.values():
+            if block is not None and not isinstance(block.layer.linear1.weight, DTensor):  # runs again for validate
+                parallelize_module(block.layer, mesh["tensor_parallel"], plan)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
