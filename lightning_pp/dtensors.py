@@ -50,9 +50,7 @@ def whole_parameters(module: nn.Module) -> Iterator[None]:
     Initialisers then draw the whole tensor by the name rule, as one process does; a random op on a sharded
     DTensor would draw the same numbers on every shard on the CPU, and different ones than one process.
     """
-    sharded = {
-        name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor) and p.is_meta
-    }
+    sharded = {name: p for name, p in module.named_parameters(recurse=False) if isinstance(p, DTensor) and p.is_meta}
     for name, p in sharded.items():
         whole = torch.empty(p.shape, dtype=p.dtype, device="meta")
         module._parameters[name] = nn.Parameter(whole, requires_grad=p.requires_grad)

@@ -163,7 +163,9 @@ def materialize(
         for _, owner in owners:
             whole.enter_context(whole_parameters(owner))
         _allocate(module, device)
-        index = device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else 0
+        index = (
+            device.index if device.index is not None else torch.cuda.current_device() if device.type == "cuda" else 0
+        )
         cuda = [index] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
             for name, owner in owners:
@@ -180,7 +182,7 @@ def _allocate(module: nn.Module, device: torch.device) -> None:
     contents are swapped), so ties and optimizers built earlier stay valid. Tensors already on ``device``
     (units FSDP has sharded) are left alone."""
     for m in module.modules():
-        for name, t in list(m._parameters.items()):
+        for t in list(m._parameters.values()):
             if t is not None and (t.is_meta or t.device != device):
                 real = torch.empty_like(t, device=device) if t.is_meta else t.detach().to(device)
                 torch.utils.swap_tensors(t, nn.Parameter(real, requires_grad=t.requires_grad))

@@ -7,10 +7,13 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from lightning.pytorch.utilities.data import _update_dataloader
 from torch import nn
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.materialize import global_seed
 from lightning_pp.schedule import check_batch_size
 from lightning_pp.stage import patched
 
@@ -138,3 +141,12 @@ def capture_model_call(
         f"{type(module).__name__}.{hook_name} never calls the model (self(...), or one of {sorted(entries)[1:]});"
         " under the pipeline the step must call the model exactly once, with the batch's inputs."
     )
+
+
+def seeded_shuffle(loader: object) -> object:
+    """A loader shuffled by the global RNG (a plain ``RandomSampler``) could draw other batches on each stage of
+    one pipeline: the same shuffle from the global seed instead, on every stage."""
+    if isinstance(loader, DataLoader) and type(loader.sampler) is RandomSampler and loader.sampler.generator is None:
+        sampler = DistributedSampler(loader.dataset, num_replicas=1, rank=0, shuffle=True, seed=global_seed())
+        return _update_dataloader(loader, sampler)
+    return loader

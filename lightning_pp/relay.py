@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 
+from lightning_pp.mesh import Layout
+from lightning_pp.microbatch import merge_microbatches
 from lightning_pp.stage import get_path
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
@@ -44,6 +46,18 @@ class StepReport:
     loss: torch.Tensor | None
     logs: list[LogRecord]
     metric_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def predictions_to_first_stage(outputs: dict[int, Any], layout: Layout, rank: int) -> Any:
+    """What the last stage's predict steps returned, joined over micro-batches, on the pipeline's first stage
+    (global rank 0 for the first pipeline); None elsewhere."""
+    first, last = layout.first_stage_rank, layout.last_stage_rank
+    box = [merge_microbatches([outputs[i] for i in sorted(outputs)]) if rank == last else None]
+    if first != last and rank == last:
+        dist.send_object_list(box, dst=first)
+    elif first != last and rank == first:
+        dist.recv_object_list(box, src=last)
+    return box[0] if rank == first else None
 
 
 def reduction_of(reduce_fx: Any, name: str) -> str:

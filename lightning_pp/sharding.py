@@ -22,9 +22,8 @@ from collections.abc import Iterable
 from typing import Any, Literal
 
 import torch
-from torch import nn
-
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
 
 from lightning_pp.dtensors import has_dtensors
 from lightning_pp.errors import PipelineConfigError
@@ -170,9 +169,7 @@ def adopt_parameters(module: nn.Module, views: Iterable[nn.Module]) -> None:
                 owner._parameters[attr] = param
 
 
-def repoint_optimizers(
-    optimizers: Iterable[torch.optim.Optimizer], names: dict[int, str], module: nn.Module
-) -> None:
+def repoint_optimizers(optimizers: Iterable[torch.optim.Optimizer], names: dict[int, str], module: nn.Module) -> None:
     """Each optimizer's parameters replaced by the module's Parameters of the same name (and their state moved).
 
     ``names`` maps ``id`` of the Parameters the optimizers hold to their names; the caller keeps those

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Generator
 from datetime import timedelta
 from pathlib import Path
@@ -26,15 +25,14 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.data import _update_dataloader
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torch import Tensor
 from typing_extensions import override
 
 from lightning_pp.checkpoint import (
     OptimizerLayout,
+    check_state_dict_type,
     gather_model_state,
     gather_optimizer_state,
     is_complete,
@@ -43,19 +41,18 @@ from lightning_pp.checkpoint import (
     save_sharded,
 )
 from lightning_pp.dtensors import has_dtensors
-from lightning_pp.errors import PipelineConfigError
 from lightning_pp.exit import close_process_groups_at_exit
+from lightning_pp.holding import Holding
 from lightning_pp.launch import PipelineLauncher
-from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights, materialize
+from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
 from lightning_pp.metrics import load_states, sync_metrics_over
-from lightning_pp.microbatch import batch_size_of, merge_microbatches
+from lightning_pp.microbatch import batch_size_of, seeded_shuffle
 from lightning_pp.partition import Balance, check_balance_mode
 from lightning_pp.planning import check_module, check_split, check_training_setup, learn_placement
 from lightning_pp.precision import count_once, loss_multiplier, pipeline_precision
-from lightning_pp.recompute import checkpoint_layers
-from lightning_pp.relay import ReportRelay, replay
-from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint, restore_stage
+from lightning_pp.relay import ReportRelay, predictions_to_first_stage, replay
+from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.schedule import (
     check_loaders,
     check_microbatches,
@@ -63,16 +60,14 @@ from lightning_pp.schedule import (
     normalize_schedule,
     resolve_stages_per_rank,
 )
-from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
 from lightning_pp.sharding import (
     DataParallel,
     Reshard,
     check_no_user_sharding,
     check_parallelism,
-    repoint_optimizers,
-    shard_pruned_stages,
 )
-from lightning_pp.step import PipelineRunner, StageModules, pruned_stages
+from lightning_pp.stage import Placement, model_entries
+from lightning_pp.step import PipelineRunner
 from lightning_pp.swap import fault_point, swapped_in
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
@@ -98,6 +93,11 @@ class PipelineStrategy(ParallelStrategy):
     ``split="trace"`` serves forwards that use every part (Hugging Face, nanoGPT): torch's tracer splits the
     model at the same layer boundaries. A Parameter several stages use (a tied embedding and head) lives on
     each of them, its gradients summed over them after every backward.
+
+    Replicas of the pipeline hold whole stages (``data_parallel="ddp"``) or shard each stage's parameters,
+    gradients and optimizer state with FSDP2 (``"fsdp"``). With ``tensor_parallel_size`` the module's
+    ``configure_model`` finds ``self.device_mesh`` (dims data, pipeline and tensor parallel) and applies its
+    tensor-parallel plan on meta, as under Lightning's ``ModelParallelStrategy``; the strategy does the rest.
     """
 
     strategy_name = "pipeline"
@@ -125,11 +125,7 @@ class PipelineStrategy(ParallelStrategy):
         self.schedule = normalize_schedule(schedule)
         if n_microbatches is not None:
             check_microbatches(self.schedule, int(n_microbatches), 1, 1)
-        if state_dict_type not in ("full", "sharded"):
-            raise PipelineConfigError(
-                f"Unknown state_dict_type={state_dict_type!r}; use 'full' (one .ckpt file gathered on rank 0) or"
-                " 'sharded' (a directory written by every rank with torch.distributed.checkpoint)."
-            )
+        check_state_dict_type(state_dict_type)
         if isinstance(balance, str):
             check_balance_mode(balance)
         check_split(split, activation_checkpointing)
@@ -155,16 +151,12 @@ class PipelineStrategy(ParallelStrategy):
         self._tracer: Optional[Tracer] = None
         self._runner: Optional[PipelineRunner] = None
         self._relay: Optional[ReportRelay] = None
-        self._state_keys: list[str] = []
-        self._optimizer_layouts: list[OptimizerLayout] = []
+        self._holding = Holding(layers, activation_checkpointing, fsdp_reshard=fsdp_reshard, init_fn=init_fn)
         self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
         self._pending: Optional[PendingRestore] = None
         self._replace_random_samplers = False
         self._groups = Groups(pp=None, dp=None)
-        self._stages: Optional[tuple[dict[int, nn.Module], StageModules]] = None  # views and stage modules, once pruned
-        self._sharded = False
         self._fitting = False
-        self._pruned = False
         # set by PipelineMonitor: time the next training step's compute and waits on this rank
         self.record_next_step = False
 
@@ -235,6 +227,7 @@ class PipelineStrategy(ParallelStrategy):
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
         close_process_groups_at_exit()
         self._groups = make_groups(layout, self.root_device.type)
+        self._holding.shard_over = self._groups.mesh["data_parallel"] if self.data_parallel == "fsdp" else None
         # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
         self.lightning_module._device_mesh = self._groups.mesh
         if layout.dp > 1 or layout.tp > 1:
@@ -253,7 +246,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._placement is None:
             check_module(module, self.layers, self.balance, self.n_stages)
         check_initializers(module, self.init_fn)
-        if not self._pruned:  # an earlier fit sharded it itself
+        if not self._holding.pruned:  # an earlier fit sharded it itself
             check_no_user_sharding(module, self.tensor_parallel_size)
         check_training_setup(module, self.schedule, self.n_microbatches, self.layout)
         if self.layout.dp == 1:
@@ -265,7 +258,7 @@ class PipelineStrategy(ParallelStrategy):
         self.model = self.precision_plugin.convert_module(module)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         if self._fitting:
-            if self._pruned:
+            if self._holding.pruned:
                 raise NotImplementedError(
                     "trainer.fit again on a module that an earlier fit already split into pipeline stages is not"
                     " supported yet: configure_optimizers would see one stage only. Build a fresh module and resume"
@@ -343,16 +336,7 @@ class PipelineStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             self._pipelined("predict_step", args, kwargs, train=False)
         assert self._runner is not None
-        first, last, rank = self.layout.first_stage_rank, self.layout.last_stage_rank, self.global_rank
-        box = [None]
-        if rank == last:
-            outputs = self._runner.outputs
-            box[0] = merge_microbatches([outputs[i] for i in sorted(outputs)])
-        if first != last and rank == last:
-            dist.send_object_list(box, dst=first)
-        elif first != last and rank == first:
-            dist.recv_object_list(box, src=last)
-        return box[0] if rank == first else None
+        return predictions_to_first_stage(self._runner.outputs, self.layout, self.global_rank)
 
     @override
     def on_predict_start(self) -> None:
@@ -415,7 +399,19 @@ class PipelineStrategy(ParallelStrategy):
                 module, self.layers, self.n_stages, self.balance, hook, args, kwargs, m, self.root_device, self.split
             )
         sync_metrics_over(module, self._groups.dp)
-        local, views, make_stages = self._local_stages()
+        holding = self._holding
+        optimizers = [_unwrap(o) for o in self.optimizers]
+        local, views, make_stages = holding.hold(
+            module,
+            self._placement,
+            layout.stages,
+            optimizers,
+            self._fitting,
+            self.root_device,
+            self._tracer,
+            self._pending,
+        )
+        self._pending = None
         shared = share_parameters(local, views, self._placement, layout)
         count_once(self.precision_plugin, shared.counted_elsewhere)
         self._runner = PipelineRunner(
@@ -431,66 +427,20 @@ class PipelineStrategy(ParallelStrategy):
             label=layout.pp_rank,
             sum_shared=shared.sum_gradients,
             overlap_replicas=self._tracer is None,
-            sharded=self.fsdp_reshard if self._sharded else None,
+            sharded=self.fsdp_reshard if holding.sharded else None,
         )
         # P2P on NCCL needs device tensors
         device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
-        self._relay = ReportRelay(layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, device)
+        self._relay = ReportRelay(
+            layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, device
+        )
         return self._runner
-
-    def _local_stages(self) -> tuple[nn.Module, dict[int, nn.Module], StageModules]:
-        """This rank's stages on its device: pruned for training (the rest is freed), a view otherwise (a later
-        fit still sees the whole module); sharded over the replicas under FSDP; then the checkpoint being
-        restored, if any. Returns the rank's module, a view per stage, and what makes the stage modules."""
-        module, placement, stages = self.lightning_module, self._placement, self.layout.stages
-        assert placement is not None
-        names = {id(p): n for n, p in module.named_parameters()}
-        held = list(module.parameters())  # the optimizers' Parameters stay alive (and their ids unique) until re-pointed
-        if self._fitting and not self._pruned:
-            self._state_keys = list(module.state_dict().keys())
-            prune_to_stages(module, placement, stages)
-            guard_forwards(module, placement, stages, model_entries(module, self.layers).values())
-            local_ids = {id(p) for p in module.parameters()}
-            self._optimizer_layouts = [keep_local_parameters(_unwrap(o), local_ids, names) for o in self.optimizers]
-            self._pruned = True
-            if self.activation_checkpointing:
-                checkpoint_layers(find_layers(module, self.layers))
-        local = module if self._pruned else stage_view(module, placement, stages)
-        if self._stages is None or not self._pruned:
-            views = {s: stage_view(local, placement, [s]) for s in stages}
-            self._sharded = self.data_parallel == "fsdp" and self._pruned
-            if self._sharded:
-                mesh = self._groups.mesh["data_parallel"]
-                made = shard_pruned_stages(local, views, placement, mesh, self.fsdp_reshard, self.root_device, self.init_fn)
-                self._stages = (views, made)
-            else:
-                materialize(local, self.root_device, init_fn=self.init_fn)
-                self._stages = (views, self._tracer.stages(views, self.root_device) if self._tracer else None)
-        views, make_stages = self._stages
-        make_stages = make_stages or pruned_stages(views, placement)
-        repoint_optimizers([_unwrap(o) for o in self.optimizers], names, local)
-        del held
-        if self._pending is not None:
-            optimizers = [_unwrap(o) for o in self.optimizers]
-            copied = restore_stage(self._pending, local, optimizers, self._optimizer_layouts)
-            self._pending = None
-            rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
-        return local, views, make_stages
 
     # ------------------------------------------------------------------ data
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Every stage must draw the same batches: a RandomSampler on the global RNG may not."""
-        if (
-            self._replace_random_samplers
-            and isinstance(dataloader, DataLoader)
-            and type(dataloader.sampler) is RandomSampler
-            and dataloader.sampler.generator is None
-        ):
-            seed = int(os.environ.get("PL_GLOBAL_SEED", 0))
-            sampler = DistributedSampler(dataloader.dataset, num_replicas=1, rank=0, shuffle=True, seed=seed)
-            return _update_dataloader(dataloader, sampler)
-        return dataloader
+        return seeded_shuffle(dataloader) if self._replace_random_samplers else dataloader
 
     @override
     def on_train_start(self) -> None:
@@ -558,26 +508,26 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         check_materialized(self.lightning_module)
-        if not self._pruned or self.state_dict_type == "sharded":
+        if not self._holding.pruned or self.state_dict_type == "sharded":
             return super().lightning_module_state_dict()
         writer = self.layout.writes_full_checkpoint
-        return gather_model_state(self.lightning_module, self._state_keys, self._groups.pp, writer)
+        return gather_model_state(self.lightning_module, self._holding.state_keys, self._groups.pp, writer)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         optimizer = _unwrap(optimizer)
         if self.state_dict_type == "sharded":
-            if not self._pruned:  # nothing split yet: this rank holds every parameter
+            if not self._holding.pruned:  # nothing split yet: this rank holds every parameter
                 names = {id(p): n for n, p in self.lightning_module.named_parameters()}
                 return optimizer_state_by_name(optimizer, keep_local_parameters(optimizer, set(names), names))
             return optimizer_state_by_name(optimizer, self._layout_of(optimizer))
-        if not self._pruned:
+        if not self._holding.pruned:
             return optimizer.state_dict()
         writer = self.layout.writes_full_checkpoint
         return gather_optimizer_state(optimizer, self._layout_of(optimizer), self._groups.pp, writer)
 
     def _layout_of(self, optimizer: torch.optim.Optimizer) -> OptimizerLayout:
-        return self._optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
+        return self._holding.optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -590,7 +540,7 @@ class PipelineStrategy(ParallelStrategy):
         """Checked against the whole module now; loaded into this rank's stage once it exists."""
         assert self._pending is not None
         local = self.lightning_module.state_dict()
-        expected = {k: local.get(k) for k in self._state_keys} if self._pruned else local
+        expected = {k: local.get(k) for k in self._holding.state_keys} if self._holding.pruned else local
         check_state_keys(expected, checkpoint["state_dict"], strict, self._pending.path)
         self._pending.model, self._pending.strict = checkpoint["state_dict"], strict
 

@@ -430,7 +430,9 @@ class TensorParallelGPT(TinyGPT):
 
         for block in self.net.blocks.values():
             if not isinstance(block.ff[0].weight, DTensor):  # configure_model runs again for validate/test
-                parallelize_module(block, mesh["tensor_parallel"], {"ff.0": ColwiseParallel(), "ff.2": RowwiseParallel()})
+                parallelize_module(
+                    block, mesh["tensor_parallel"], {"ff.0": ColwiseParallel(), "ff.2": RowwiseParallel()}
+                )
 
 
 class TensorParallelInitGPT(TensorParallelGPT):

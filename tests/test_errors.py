@@ -26,9 +26,12 @@ from lightning_pp.planning import check_module, check_training_setup
         (dict(n_microbatches=0), PipelineConfigError, r"n_microbatches=0 must be a positive integer"),
         (dict(data_parallel="zero3"), PipelineConfigError, r"Unknown data_parallel='zero3'; use 'ddp' .* or 'fsdp'"),
         (dict(data_parallel="fsdp", fsdp_reshard="layer"), PipelineConfigError, r"Unknown fsdp_reshard='layer'"),
-        (dict(data_parallel="fsdp", fsdp_reshard="microbatch", schedule="zbv"), PipelineConfigError,
-         r"fsdp_reshard='microbatch' with schedule='zbv'.*Use fsdp_reshard='step'"),
-        (dict(split="trace", tensor_parallel_size=2), PipelineConfigError, r"split='trace' with tensor_parallel_size=2"),
+        (
+            dict(data_parallel="fsdp", fsdp_reshard="microbatch", schedule="zbv"),
+            PipelineConfigError,
+            r"fsdp_reshard='microbatch' with schedule='zbv'.*Use fsdp_reshard='step'",
+        ),
+        (dict(split="trace", tensor_parallel_size=2), PipelineConfigError, r"split='trace' with tensor_parallel_size"),
         (dict(tensor_parallel_size=0), PipelineConfigError, r"tensor_parallel_size=0 must be a positive integer"),
     ],
 )

@@ -53,8 +53,13 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["trainer=slurm", "hydra/launcher=slurm"],
         ["logger=tensorboard", "callbacks=none"],
         ["strategy.schedule=gpipe", "strategy.balance=[1,3]", "strategy.n_microbatches=8"],
-        ["trainer.devices=8", "strategy.data_parallel=fsdp", "strategy.fsdp_reshard=microbatch",
-         "strategy.tensor_parallel_size=2", "strategy.pipeline_parallel_size=2"],
+        [
+            "trainer.devices=8",
+            "strategy.data_parallel=fsdp",
+            "strategy.fsdp_reshard=microbatch",
+            "strategy.tensor_parallel_size=2",
+            "strategy.pipeline_parallel_size=2",
+        ],
     ],
 )
 def test_every_config_group_composes(overrides):

@@ -12,7 +12,9 @@ from lightning_pp.checkpoint import load_sharded
 from lightning_pp.consolidate import consolidate
 
 PARAM_TOL = 1e-5
-FSDP = dict(devices=4, pp=2, data_parallel="fsdp", batch=8, n_train=64, n_val=16, sync_dist=True, max_steps=6, max_epochs=3)
+FSDP = dict(
+    devices=4, pp=2, data_parallel="fsdp", batch=8, n_train=64, n_val=16, sync_dist=True, max_steps=6, max_epochs=3
+)
 
 
 def test_fsdp_1f1b_with_clipping_and_adamw_trains_as_one_process(tmp_path, reference):
@@ -35,7 +37,16 @@ def test_fsdp_1f1b_with_clipping_and_adamw_trains_as_one_process(tmp_path, refer
 
 
 def test_fsdp_gpipe_microbatch_reshard_with_accumulation_trains_as_one_process(tmp_path, reference):
-    cfg = dict(FSDP, schedule="gpipe", m=4, fsdp_reshard="microbatch", accumulate=2, max_steps=4, build="init_module", model="init")
+    cfg = dict(
+        FSDP,
+        schedule="gpipe",
+        m=4,
+        fsdp_reshard="microbatch",
+        accumulate=2,
+        max_steps=4,
+        build="init_module",
+        model="init",
+    )
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
     ref = reference(**combined(cfg))
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
@@ -66,8 +77,8 @@ def test_fsdp_zbv_with_validation_saves_a_sharded_checkpoint_that_resumes_under_
 def test_tensor_parallel_plan_in_configure_model_trains_as_one_process(tmp_path, reference):
     # pp=2 x tp=2: each block's MLP split column-wise then row-wise over the shards, built on meta (SGD: Adam would
     # amplify the shards' other summation order to ~1e-5 in 5 steps)
-    cfg = dict(model="tpinit", devices=4, pp=2, tp=2, schedule="1f1b", m=2, batch=8, n_train=48, n_val=16,
-               max_steps=5, clip=0.05, build="init_module", state_dict_type="sharded", optimizer="sgd", lr=0.5)  # fmt: skip
+    cfg = dict(model="tpinit", devices=4, pp=2, tp=2, schedule="1f1b", m=2, batch=8, n_train=48, n_val=16, max_steps=5,
+               clip=0.05, build="init_module", state_dict_type="sharded", optimizer="sgd", lr=0.5)  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
     ref = reference(**common(cfg))
     for rank in range(4):
@@ -82,7 +93,8 @@ def test_tensor_parallel_plan_in_configure_model_trains_as_one_process(tmp_path,
 def test_fsdp_over_tensor_parallel_stages_trains_as_one_process(tmp_path, reference):
     # dp=2 x pp=2 x tp=2 on 8 ranks: FSDP shards the tensor-parallel slices over the replicas (2-D DTensors)
     cfg = dict(model="tpinit", build="init_module", devices=8, pp=2, tp=2, data_parallel="fsdp", m=2, batch=8,
-               n_train=64, n_val=16, max_steps=4, max_epochs=3, clip=0.05, optimizer="sgd", lr=0.5, sync_dist=True)  # fmt: skip
+               n_train=64, n_val=16, max_steps=4, max_epochs=3, clip=0.05, optimizer="sgd", lr=0.5,
+               sync_dist=True)  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
     ref = reference(**combined(cfg))
     assert_same_logs(job.rank(0), ref, LOSS_TOL)

@@ -1,0 +1,86 @@
+"""What this rank holds of the user's module: pruned at the first fit, materialised or sharded, then restored.
+
+Data flows one way: the whole (possibly meta) module -> pruned to this rank's stages (their
+optimizer entries kept in the one-process order) -> a view per stage -> materialised on the device,
+or materialised and FSDP-sharded unit by unit (``lightning_pp.sharding``) -> the optimizers
+re-pointed at the Parameters that now exist -> the checkpoint being resumed, if any.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from lightning_pp.checkpoint import OptimizerLayout, keep_local_parameters
+from lightning_pp.materialize import InitFn, materialize
+from lightning_pp.recompute import checkpoint_layers
+from lightning_pp.restore import PendingRestore, restore_stage
+from lightning_pp.sharding import repoint_optimizers, shard_pruned_stages
+from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
+from lightning_pp.step import StageModules, pruned_stages
+from lightning_pp.traced import Tracer
+
+
+@dataclass
+class Holding:
+    """This rank's stages, kept across fit, validate, test and predict."""
+
+    layers: str
+    activation_checkpointing: bool = False
+    shard_over: Any = None  # the replicas' DeviceMesh under data_parallel="fsdp", else None
+    fsdp_reshard: str = "step"
+    init_fn: InitFn | None = None
+    pruned: bool = False
+    sharded: bool = False
+    state_keys: list[str] = field(default_factory=list)  # the whole module's, in one-process order
+    optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
+    _made: tuple[dict[int, nn.Module], StageModules] | None = None
+
+    def hold(
+        self,
+        module: nn.Module,
+        placement: Placement,
+        stages: list[int],
+        optimizers: list[torch.optim.Optimizer],
+        fitting: bool,
+        device: torch.device,
+        tracer: Tracer | None = None,
+        pending: PendingRestore | None = None,
+    ) -> tuple[nn.Module, dict[int, nn.Module], StageModules]:
+        """This rank's stages on its device: pruned for training (the rest is freed), a view otherwise (a later
+        fit still sees the whole module). Returns the rank's module, a view per stage, what makes the stage
+        modules."""
+        names = {id(p): n for n, p in module.named_parameters()}
+        held = list(module.parameters())  # the optimizers' Parameters stay alive (ids unique) until re-pointed
+        if fitting and not self.pruned:
+            self.state_keys = list(module.state_dict().keys())
+            prune_to_stages(module, placement, stages)
+            guard_forwards(module, placement, stages, model_entries(module, self.layers).values())
+            local_ids = {id(p) for p in module.parameters()}
+            self.optimizer_layouts = [keep_local_parameters(o, local_ids, names) for o in optimizers]
+            self.pruned = True
+            if self.activation_checkpointing:
+                checkpoint_layers(find_layers(module, self.layers))
+        local = module if self.pruned else stage_view(module, placement, stages)
+        if self._made is None or not self.pruned:
+            views = {s: stage_view(local, placement, [s]) for s in stages}
+            self.sharded = self.shard_over is not None and self.pruned
+            if self.sharded:
+                made = shard_pruned_stages(
+                    local, views, placement, self.shard_over, self.fsdp_reshard, device, self.init_fn
+                )  # type: ignore[arg-type]
+            else:
+                materialize(local, device, init_fn=self.init_fn)
+                made = tracer.stages(views, device) if tracer else pruned_stages(views, placement)
+            self._made = (views, made)
+        views, make_stages = self._made
+        repoint_optimizers(optimizers, names, local)
+        del held
+        if pending is not None:
+            copied = restore_stage(pending, local, optimizers, self.optimizer_layouts)
+            rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
+        return local, views, make_stages
