@@ -33,6 +33,7 @@ class Holding:
     activation_checkpointing: bool = False
     shard_over: Any = None  # the replicas' DeviceMesh under data_parallel="fsdp", else None
     fsdp_reshard: str = "step"
+    mp_policy: Any = None  # FSDP2's MixedPrecisionPolicy
     init_fn: InitFn | None = None
     pruned: bool = False
     sharded: bool = False
@@ -71,7 +72,7 @@ class Holding:
             self.sharded = self.shard_over is not None and self.pruned
             if self.sharded:
                 made = shard_pruned_stages(
-                    local, views, placement, self.shard_over, self.fsdp_reshard, device, self.init_fn
+                    local, views, placement, self.shard_over, self.fsdp_reshard, device, self.init_fn, self.mp_policy
                 )  # type: ignore[arg-type]
             else:
                 materialize(local, device, init_fn=self.init_fn)

@@ -119,6 +119,16 @@ def stage_units(view: nn.Module, placement: Placement, stage: int) -> list[tuple
     return units
 
 
+def mixed_precision_policy(precision: str) -> Any:
+    """FSDP2's policy for Lightning's precision flag: under ``bf16-mixed`` the sharded fp32 weights are all-gathered
+    in bf16 and gradients reduced in fp32 (torchtitan's choice); the compute is bf16 under autocast either way."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "bf16-mixed":
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()
+
+
 def shard_pruned_stages(
     module: nn.Module,
     views: dict[int, nn.Module],
@@ -127,12 +137,13 @@ def shard_pruned_stages(
     reshard: Reshard,
     device: torch.device,
     init_fn: InitFn | None = None,
+    mp_policy: Any = None,
 ) -> StageModules:
     """This rank's stage modules (``split="prune"``), each the FSDP root of its stage over ``mesh`` (the stage's
     replicas); ``module`` (the rank's pruned module) then holds the sharded Parameters."""
     check_ties_on_one_rank(placement, list(views))
     modules = pruned_stages(views, placement)(True, None)  # type: ignore[arg-type]
-    _shard_stages(views, dict(zip(views, modules)), placement, mesh, reshard, device, init_fn)
+    _shard_stages(views, dict(zip(views, modules)), placement, mesh, reshard, device, init_fn, mp_policy)
     adopt_parameters(module, views.values())
     return lambda train, call: modules
 
@@ -145,11 +156,14 @@ def _shard_stages(
     reshard: Reshard,
     device: torch.device,
     init_fn: InitFn | None,
+    mp_policy: Any,
 ) -> None:
     """Materialise and shard each stage unit by unit; ``roots[s]`` (which runs ``views[s]``) becomes its root."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    options: dict[str, Any] = dict(mesh=mesh, reshard_after_forward=reshard == "microbatch")
+    options: dict[str, Any] = dict(
+        mesh=mesh, reshard_after_forward=reshard == "microbatch", mp_policy=mp_policy or MixedPrecisionPolicy()
+    )
     for stage, view in views.items():
         for name, unit in stage_units(view, placement, stage):
             materialize(unit, device, init_fn=init_fn, prefix=name)

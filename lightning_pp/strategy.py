@@ -65,6 +65,7 @@ from lightning_pp.sharding import (
     Reshard,
     check_no_user_sharding,
     check_parallelism,
+    mixed_precision_policy,
 )
 from lightning_pp.stage import Placement, model_entries
 from lightning_pp.step import PipelineRunner
@@ -228,6 +229,7 @@ class PipelineStrategy(ParallelStrategy):
         close_process_groups_at_exit()
         self._groups = make_groups(layout, self.root_device.type)
         self._holding.shard_over = self._groups.mesh["data_parallel"] if self.data_parallel == "fsdp" else None
+        self._holding.mp_policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", ""))
         # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
         self.lightning_module._device_mesh = self._groups.mesh
         if layout.dp > 1 or layout.tp > 1:

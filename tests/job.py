@@ -174,7 +174,9 @@ class Overflow(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if batch_idx % trainer.accumulate_grad_batches == 0:
-            self._before = {n: p.detach().clone() for n, p in pl_module.named_parameters() if not p.is_meta}
+            self._before = {
+                n: local_tensor(p).detach().clone() for n, p in pl_module.named_parameters() if not p.is_meta
+            }
         blocks = getattr(pl_module.net, "blocks", None) or {}
         if trainer.global_step == self.step and trainer.global_rank == 0 and "b0" in blocks:
             self._hooks = [p.register_hook(lambda g: g * float("inf")) for p in blocks["b0"].parameters()]
@@ -186,7 +188,9 @@ class Overflow(Callback):
         if (batch_idx + 1) % trainer.accumulate_grad_batches == 0:  # after the optimizer step
             self.scales.append(trainer.precision_plugin.scaler.get_scale())
             after = dict(pl_module.named_parameters())  # this rank's stages once the first batch pruned the module
-            self.moved.append(any(not torch.equal(after[n], p) for n, p in self._before.items() if n in after))
+            self.moved.append(
+                any(not torch.equal(local_tensor(after[n]), p) for n, p in self._before.items() if n in after)
+            )
 
 
 class Pid(Callback):

@@ -110,3 +110,17 @@ def test_fully_shard_in_configure_model_and_a_missing_plan_are_reported_on_every
     # tensor_parallel_size=2 but configure_model applied no plan: said once, and the run still trains
     plain = ok(run_job({**base, "tp": 2, "strategy": "pipeline"}, tmp_path / "b"))
     assert plain.output.count("its configure_model applied no plan") == 1, plain.output[-3000:]
+
+
+def test_fsdp_under_bf16_mixed_and_fp16_with_its_scaler_match_one_process(tmp_path, reference):
+    # bf16-mixed: FSDP all-gathers bf16 and reduces fp32 (MixedPrecisionPolicy), autocast computes in bf16
+    cfg = dict(FSDP, schedule="1f1b", m=2, precision="bf16-mixed", max_steps=4)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "bf16"))
+    assert_same_logs(job.rank(0), reference(**combined(cfg)), 2e-2)
+    # 16-mixed with a CPU GradScaler: the sharded gradients unscaled, one verdict, the scale as one process's
+    cfg = dict(FSDP, schedule="gpipe", m=2, precision="16-mixed-cpu", max_steps=5, init_scale=2.0**20)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "fp16"))
+    ref = reference(**combined(cfg))
+    assert_same_logs(job.rank(0), ref, 1e-2)
+    for rank in range(4):
+        assert job.rank(rank)["scales"] == ref["scales"] and job.rank(rank)["moved"] == ref["moved"]
