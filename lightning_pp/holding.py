@@ -56,6 +56,9 @@ class Holding:
         fit still sees the whole module). Returns the rank's module, a view per stage, what makes the stage
         modules."""
         names = {id(p): n for n, p in module.named_parameters()}
+        aliases: dict[int, list[str]] = {}  # every name of each Parameter: a tied one may keep only its second here
+        for n, p in module.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(n)
         held = list(module.parameters())  # the optimizers' Parameters stay alive (ids unique) until re-pointed
         if fitting and not self.pruned:
             self.state_keys = list(module.state_dict().keys())
@@ -79,7 +82,7 @@ class Holding:
                 made = tracer.stages(views, device) if tracer else pruned_stages(views, placement)
             self._made = (views, made)
         views, make_stages = self._made
-        repoint_optimizers(optimizers, names, local)
+        repoint_optimizers(optimizers, aliases, local)
         del held
         if pending is not None:
             copied = restore_stage(pending, local, optimizers, self.optimizer_layouts)

@@ -83,7 +83,9 @@ class MetricTap:
         for name, calls in self.calls.items():
             metric = self.metrics[name]
             if name in self.forwarded:
-                batch = metric.clone()
+                with patched(metric, process_group=None):  # a process group cannot be copied; the batch value is local
+                    batch = metric.clone()
+                batch.distributed_available_fn = _never_distributed
                 batch.reset()
                 for args, kwargs in calls:
                     batch.update(*args, **kwargs)

@@ -183,16 +183,23 @@ def adopt_parameters(module: nn.Module, views: Iterable[nn.Module]) -> None:
                 owner._parameters[attr] = param
 
 
-def repoint_optimizers(optimizers: Iterable[torch.optim.Optimizer], names: dict[int, str], module: nn.Module) -> None:
+def repoint_optimizers(
+    optimizers: Iterable[torch.optim.Optimizer], names: dict[int, list[str]], module: nn.Module
+) -> None:
     """Each optimizer's parameters replaced by the module's Parameters of the same name (and their state moved).
 
-    ``names`` maps ``id`` of the Parameters the optimizers hold to their names; the caller keeps those
-    Parameters alive until this returns, so that no ``id`` is reused.
+    ``names`` maps ``id`` of the Parameters the optimizers hold to all their names (a tied Parameter may live
+    here under its second name only); the caller keeps those Parameters alive until this returns, so that no
+    ``id`` is reused.
     """
     current = dict(module.named_parameters(remove_duplicate=False))
+
+    def now(p: nn.Parameter) -> nn.Parameter:
+        return next((current[n] for n in names.get(id(p), []) if n in current), p)
+
     for optimizer in optimizers:
         for group in optimizer.param_groups:
-            fresh = [current.get(names.get(id(p), ""), p) for p in group["params"]]
+            fresh = [now(p) for p in group["params"]]
             for old, new in zip(group["params"], fresh):
                 if old is not new and old in optimizer.state:
                     optimizer.state[new] = optimizer.state.pop(old)

@@ -6,7 +6,7 @@ import torch
 from conftest import ok, run_job
 from models import TinyGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
-from test_tied import assert_state_equal, combined
+from test_tied import assert_state_equal, assert_tied, combined
 
 from lightning_pp.checkpoint import load_sharded
 from lightning_pp.consolidate import consolidate
@@ -124,3 +124,17 @@ def test_fsdp_under_bf16_mixed_and_fp16_with_its_scaler_match_one_process(tmp_pa
     assert_same_logs(job.rank(0), ref, 1e-2)
     for rank in range(4):
         assert job.rank(rank)["scales"] == ref["scales"] and job.rank(rank)["moved"] == ref["moved"]
+
+
+def test_fsdp_with_a_tied_embedding_and_torchmetrics_trains_as_one_process(tmp_path, reference):
+    # the tied tensor is sharded alike on the first and the last stage; metrics sync over the replicas
+    cfg = dict(FSDP, model="tied", optimizer="sgd", lr=0.5, clip=0.05, schedule="1f1b", m=2, metrics=True)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
+    ref = reference(**combined(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+    assert_tied(job.state())
+    for key in ("train_acc_epoch", "val_acc", "val_f1"):  # computed over both replicas, as one process on both
+        expected = [r[key] for r in ref["logged"] if key in r]
+        got = [r[key] for r in job.rank(0)["logged"] if key in r]
+        assert len(got) == len(expected) >= 1 and max(abs(a - b) for a, b in zip(got, expected)) <= 1e-6, key
