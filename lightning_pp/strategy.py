@@ -343,8 +343,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def on_predict_start(self) -> None:
         trainer = self.lightning_module.trainer
-        if self.global_rank != self.layout.first_stage_rank:
-            # predictions live on the first stage of each replica (global rank 0 for one pipeline)
+        if self.global_rank != self.layout.first_stage_rank or self.layout.tp_rank != 0:
+            # predictions live on the first stage of each replica's shard 0 (global rank 0 for one pipeline)
             trainer.predict_loop.return_predictions = False
         self._check_loaders("predict", trainer.predict_dataloaders, trainer.num_predict_batches)
 

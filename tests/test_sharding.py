@@ -78,7 +78,8 @@ def test_tensor_parallel_plan_in_configure_model_trains_as_one_process(tmp_path,
     # pp=2 x tp=2: each block's MLP split column-wise then row-wise over the shards, built on meta (SGD: Adam would
     # amplify the shards' other summation order to ~1e-5 in 5 steps)
     cfg = dict(model="tpinit", devices=4, pp=2, tp=2, schedule="1f1b", m=2, batch=8, n_train=48, n_val=16, max_steps=5,
-               clip=0.05, build="init_module", state_dict_type="sharded", optimizer="sgd", lr=0.5)  # fmt: skip
+               clip=0.05, build="init_module", state_dict_type="sharded", optimizer="sgd", lr=0.5,
+               predict=True)  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job"))
     ref = reference(**common(cfg))
     for rank in range(4):
@@ -88,6 +89,13 @@ def test_tensor_parallel_plan_in_configure_model_trains_as_one_process(tmp_path,
     assert_state_equal(ckpt["state_dict"], ref["state"], PARAM_TOL)
     # each shard holds half of every MLP matrix
     assert job.rank(0)["local_param_bytes"] < job.rank(0)["param_bytes"] * 0.8
+    # predictions on global rank 0 only, as one process's
+    mine = torch.load(job.out / "predictions.pt", weights_only=False)
+    theirs = torch.load(ref["out"] / "predictions.pt", weights_only=False)
+    assert len(mine) == len(theirs) == 2
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a["tokens"], b["tokens"]) and torch.allclose(a["probs"], b["probs"], atol=1e-5, rtol=0)
+    assert [job.rank(r)["predictions_none"] for r in range(4)] == [False, True, True, True]
 
 
 def test_fsdp_over_tensor_parallel_stages_trains_as_one_process(tmp_path, reference):
