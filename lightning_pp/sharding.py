@@ -31,6 +31,7 @@ from lightning_pp.materialize import InitFn, materialize
 from lightning_pp.schedule import SPLIT_BACKWARD, normalize_schedule
 from lightning_pp.stage import Placement, find_layers, get_path
 from lightning_pp.step import StageModules, pruned_stages
+from lightning_pp.tied import place_stand_ins
 
 DataParallel = Literal["ddp", "fsdp"]
 Reshard = Literal["step", "microbatch"]
@@ -95,19 +96,6 @@ def check_no_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None
         )
 
 
-def check_ties_on_one_rank(placement: Placement, stages: list[int]) -> None:
-    """A tensor two of this rank's stages hold would be two FSDP shards of different roots."""
-    for tie in placement.ties:
-        local = [s for s in stages if s in tie.stages]
-        if len(local) > 1:
-            raise PipelineConfigError(
-                f"{' = '.join(tie.names)} is used by stages {local}, which one rank holds under this schedule;"
-                " with data_parallel='fsdp' a rank's two stages cannot share a tensor yet. Use a schedule with one"
-                " stage per rank for this model ('1f1b', 'gpipe', 'interleaved_1f1b' place the first and last"
-                " stage on different ranks), or data_parallel='ddp'."
-            )
-
-
 def stage_units(view: nn.Module, placement: Placement, stage: int) -> list[tuple[str, nn.Module]]:
     """The stage's FSDP units below its root, by qualified name: its layers, then its other parts."""
     layers = find_layers(view, placement.layers_path)
@@ -141,7 +129,7 @@ def shard_pruned_stages(
 ) -> StageModules:
     """This rank's stage modules (``split="prune"``), each the FSDP root of its stage over ``mesh`` (the stage's
     replicas); ``module`` (the rank's pruned module) then holds the sharded Parameters."""
-    check_ties_on_one_rank(placement, list(views))
+    place_stand_ins(module, views, placement, list(views))
     modules = pruned_stages(views, placement)(True, None)  # type: ignore[arg-type]
     _shard_stages(views, dict(zip(views, modules)), placement, mesh, reshard, device, init_fn, mp_policy)
     adopt_parameters(module, views.values())

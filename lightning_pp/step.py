@@ -31,6 +31,7 @@ from lightning_pp.relay import LogRecorder, StepReport, combine
 from lightning_pp.schedule import SPLIT_BACKWARD, build_schedule, normalize_schedule
 from lightning_pp.stage import Placement, get_path, patched, running_stages
 from lightning_pp.telemetry import Event, StepRecorder
+from lightning_pp.tied import SharedParameters
 
 _MAX_CACHED_SHAPES = 4
 
@@ -153,7 +154,7 @@ class PipelineRunner:
         entries: dict[str, nn.Module],
         replicas: dist.ProcessGroup | None = None,
         label: int = 0,
-        sum_shared: Callable[[], None] = lambda: None,
+        shared: SharedParameters | None = None,
         overlap_replicas: bool = True,
         sharded: str | None = None,
     ) -> None:
@@ -178,7 +179,7 @@ class PipelineRunner:
         self._sharded = sharded
         self._ddp: dict[int, nn.Module] = {}
         self._entries = entries
-        self._sum_shared = sum_shared  # gradients of parameters other stages hold too (see lightning_pp.tied)
+        self._shared = shared  # parameters other stages hold too (see lightning_pp.tied)
         self._schedules: OrderedDict[tuple, tuple[_PipelineSchedule, list[StageModule]]] = OrderedDict()
         self._current: _PipelineSchedule | None = None
         # per-step state used by the last stage's loss function
@@ -237,9 +238,12 @@ class PipelineRunner:
         recording = self.recorder.recording() if record else contextlib.nullcontext([])
         try:
             with failures_shared(dist.get_rank(), dist.get_world_size()), self._tap.recording(), recording as events:
+                if self._shared is not None:
+                    self._shared.refresh()
                 if train:
                     schedule.step(mb=sample_index, target=target, return_outputs=False)
-                    self._sum_shared()
+                    if self._shared is not None:
+                        self._shared.sum_gradients()
                     if self._average_over is not None:
                         average_gradients(self.module.parameters(), self._average_over)
                 else:

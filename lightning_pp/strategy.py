@@ -427,7 +427,7 @@ class PipelineStrategy(ParallelStrategy):
             model_entries(local, self.layers),
             self._groups.dp,
             label=layout.pp_rank,
-            sum_shared=shared.sum_gradients,
+            shared=shared,
             overlap_replicas=self._tracer is None,
             sharded=self.fsdp_reshard if holding.sharded else None,
         )

@@ -11,7 +11,12 @@ On a rank holding several of its stages (the V schedules put the first and the l
 rank) each further stage's view gets its own Parameter over the same storage: one Parameter in two
 stage modules gets silently wrong gradients from torch's split backward, which finds a stage's
 weights through their shared AccumulateGrad node. Sharing the storage keeps the stand-in equal to
-the optimizer's Parameter through every step and checkpoint load without copying.
+the optimizer's Parameter through every step and checkpoint load without copying. Under FSDP each
+stage is its own FSDP root, so the stand-in is sharded apart from the tensor: it is copied from it
+before every step, and its gradient added to the tensor's after the step's reduce-scatter.
+
+Sharded and tensor-parallel holders hold the same piece of the tensor (holders of one replica and
+shard have the same data-parallel rank), so the sums and the broadcast act on local pieces.
 """
 
 from __future__ import annotations
@@ -46,6 +51,16 @@ class SharedParameters:
         """``id``s of parameters whose gradient another rank counts in the global norm."""
         return frozenset(id(h.param) for h in self._held if not h.counted)
 
+    def refresh(self) -> None:
+        """Before a step: stand-ins that do not share the tensor's storage (sharded stages) take its value."""
+        with torch.no_grad():
+            for held in self._held:
+                mine = local_tensor(held.param)
+                for stand_in in held.stand_ins:
+                    theirs = local_tensor(stand_in)
+                    if theirs.data_ptr() != mine.data_ptr():
+                        theirs.copy_(mine)
+
     def sum_gradients(self) -> None:
         """After the schedule's backward: every holder's gradient becomes the sum over all holders.
 
@@ -64,6 +79,21 @@ class SharedParameters:
                 dist.all_reduce(local_tensor(held.param.grad), group=held.group)
 
 
+def place_stand_ins(module: nn.Module, views: dict[int, nn.Module], placement: Placement, stages: list[int]) -> None:
+    """Each further stage of this rank that holds a tied tensor gets its own Parameter in its view, over the same
+    storage. Sharded stages place them before FSDP shards each view (each then holds its own shard, which
+    ``SharedParameters.refresh`` keeps equal to the tensor's)."""
+    for tie in placement.ties:
+        local = [s for s in stages if s in tie.stages]
+        param = get_path(module, tie.names_on(local[0])[0]) if local else None
+        for stage in local[1:]:
+            if get_path(views[stage], tie.names_on(stage)[0]) is not param:
+                continue  # placed already
+            stand_in = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
+            for name in tie.names_on(stage):
+                replace_in_view(views[stage], name, stand_in)
+
+
 def share_parameters(
     module: nn.Module, views: dict[int, nn.Module], placement: Placement, layout: Layout
 ) -> SharedParameters:
@@ -71,6 +101,7 @@ def share_parameters(
 
     A collective over the world: every rank creates every holders' group.
     """
+    place_stand_ins(module, views, placement, layout.stages)
     groups = _holder_groups(placement.ties, layout)
     held = []
     for tie, group in zip(placement.ties, groups):
@@ -78,12 +109,10 @@ def share_parameters(
         if not local:
             continue
         param = get_path(module, tie.names_on(local[0])[0])
-        stand_ins = []
-        for stage in local[1:]:
-            stand_in = nn.Parameter(param.detach(), requires_grad=param.requires_grad)
-            for name in tie.names_on(stage):
-                replace_in_view(views[stage], name, stand_in)
-            stand_ins.append(stand_in)
+        for name in (n for s in local for n in tie.names_on(s)):  # the rank's module holds the one tensor
+            parent, _, attr = name.rpartition(".")
+            get_path(module, parent)._parameters[attr] = param
+        stand_ins = [get_path(views[s], tie.names_on(s)[0]) for s in local[1:]]
         if group is not None:
             with torch.no_grad():
                 dist.broadcast(local_tensor(param), src=layout.stage_rank(tie.source), group=group)
