@@ -27,6 +27,7 @@ from itertools import chain
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import fx, nn
 from torch.fx.node import map_aggregate
 from torch.overrides import TorchFunctionMode
@@ -89,6 +90,7 @@ class Tracer:
         # deep-copied while every tensor is a meta stand-in (ties kept); a LightningModule's Trainer stays out
         with on_meta(module), patched(module, _trainer=None) if not entry else contextlib.nullcontext():
             self.skeleton = copy.deepcopy(model)
+        _without_cache(self.skeleton)
         self._traces: dict[tuple, _Trace] = {}
 
     def trace(self, train: bool, call: ModelCall) -> _Trace:
@@ -158,16 +160,29 @@ def _layer_costs(module: nn.Module, layers: str) -> Costs:
     return Costs(costs, 0.0, 0.0)
 
 
+def _without_cache(skeleton: nn.Module) -> None:
+    """A Hugging Face config's ``use_cache=True`` (most configs' default) would make the traced graph return a
+    cache object: the traced copy runs without it, as HF itself does under gradient checkpointing. The user's
+    model keeps its config."""
+    configs = [getattr(m, "config", None) for m in skeleton.modules()]
+    cached = {id(c): c for c in configs if getattr(c, "use_cache", False) is True}
+    for config in cached.values():
+        config.use_cache = False
+    if cached:
+        rank_zero_info(
+            f"{type(skeleton).__name__} has config.use_cache=True; the pipeline's traced copy runs with"
+            " use_cache=False (a key/value cache is not used in training). Your model's config is unchanged."
+        )
+
+
 def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list[str], n_stages: int) -> _Trace:
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     name = type(skeleton).__name__
-    config = getattr(skeleton, "config", None)
-    if getattr(config, "use_cache", False) and call.kwargs.get("use_cache") is not False:
+    if call.kwargs.get("use_cache") is True:
         raise PipelineConfigError(
-            f"{name} has config.use_cache=True: a key/value cache cannot be traced into pipeline stages (and"
-            " training does not use it). Set `model.config.use_cache = False` before training, or call the model"
-            " with use_cache=False."
+            f"The step calls {name} with use_cache=True: a key/value cache cannot be traced into pipeline stages"
+            " (and training does not use it). Leave use_cache out of the call, or pass use_cache=False."
         )
     args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (call.args, call.kwargs))
     skeleton.train(train)

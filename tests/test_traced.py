@@ -24,8 +24,11 @@ TIE = ("model.transformer.wte.weight", "model.lm_head.weight")
 SCENARIOS = {
     # labels= reach the last stage from the local batch; 36 samples: the last batch (4) is traced again
     "labels-1f1b-2": dict(GPT2, schedule="1f1b", devices=2, m=2, batch=8, n_train=36, predict=True),
-    # 3 stages, default micro-batches (6 per batch of 6, 4 for the last batch of 4)
-    "labels-gpipe-3": dict(GPT2, schedule="gpipe", devices=3, m=None, batch=6, n_train=40, n_val=12),
+    # 3 stages, default micro-batches (6 per batch of 6, 4 for the last batch of 4); GPT2Config's default
+    # use_cache=True (the traced copy runs without the cache, said once)
+    "labels-gpipe-3": dict(
+        GPT2, model="gpt2_cache", schedule="gpipe", devices=3, m=None, batch=6, n_train=40, n_val=12
+    ),
     # the step's own cross-entropy from .logits; ZBV puts the embedding's and the head's stage on rank 0
     "logits-zbv-4": dict(GPT2, model="gpt2_logits", schedule="zbv", devices=2, m=4, batch=8, n_train=32),
 }
@@ -38,6 +41,7 @@ def test_hf_gpt2_traced_trains_as_one_process(name, tmp_path, reference):
     ref = reference(**common(cfg))
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     assert job.output.count("shared by stages") == 1, job.output[-3000:]  # the tie, in the placement log
+    assert job.output.count("the pipeline's traced copy runs with use_cache=False") == (cfg["model"] == "gpt2_cache")
     state = job.state()
     assert_state_equal(state, ref["state"], 1e-5)
     assert torch.equal(state[TIE[0]], state[TIE[1]])
@@ -95,7 +99,6 @@ def test_a_traced_checkpoint_resumes_under_another_layout_as_one_process(tmp_pat
 
 def test_what_cannot_be_traced_fails_on_every_rank_with_the_fix(tmp_path):
     for model, message in [
-        ("gpt2_cache", "config.use_cache=True"),
         ("gpt2_twice", "calls the model more than once"),
     ]:
         cfg = dict(GPT2, model=model, schedule="1f1b", devices=2, m=2, batch=8, n_train=16, timeout=30)
@@ -138,10 +141,14 @@ def test_a_model_that_cannot_be_split_names_the_model_and_the_alternatives():
         traced_placement(Branchy(), "layers", 2, None, call, True)
     with pytest.raises(PipelineConfigError, match=r"Made's forward creates tensors from values \(lifted_tensor_0"):
         traced_placement(Made(listed=True), "layers", 2, None, call, True)
-    call = ModelCall("", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
-    with pytest.raises(PipelineConfigError, match=r"use_cache=False"):
-        model = HFGPT2Cache()
-        traced_placement(model, "model.transformer.h", 2, None, call._replace(entry="model"), True)
+    call = ModelCall("model", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long), "use_cache": True})
+    with pytest.raises(PipelineConfigError, match=r"calls GPT2LMHeadModel with use_cache=True.*use_cache=False"):
+        traced_placement(HFGPT2Cache(), "model.transformer.h", 2, None, call, True)
+    model = HFGPT2Cache()  # its default use_cache=True: the traced copy runs without the cache, the model keeps it
+    traced_placement(
+        model, "model.transformer.h", 2, None, call._replace(kwargs={"input_ids": call.kwargs["input_ids"]}), True
+    )
+    assert model.model.config.use_cache is True
 
 
 def chain(model: nn.Module, layers: str, n_stages: int, call: ModelCall):
