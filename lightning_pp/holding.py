@@ -46,7 +46,7 @@ class Holding:
         module: nn.Module,
         placement: Placement,
         stages: list[int],
-        optimizers: list[torch.optim.Optimizer],
+        optimizers: list[Any],
         fitting: bool,
         device: torch.device,
         tracer: Tracer | None = None,
@@ -55,6 +55,7 @@ class Holding:
         """This rank's stages on its device: pruned for training (the rest is freed), a view otherwise (a later
         fit still sees the whole module). Returns the rank's module, a view per stage, what makes the stage
         modules."""
+        optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # Lightning's wrappers unwrapped
         names = {id(p): n for n, p in module.named_parameters()}
         aliases: dict[int, list[str]] = {}  # every name of each Parameter: a tied one may keep only its second here
         for n, p in module.named_parameters(remove_duplicate=False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,13 @@ def predictions_to_first_stage(outputs: dict[int, Any], layout: Layout, rank: in
     elif first != last and rank == first:
         dist.recv_object_list(box, src=last)
     return box[0] if rank == first else None
+
+
+def quiet_sync_advice() -> None:
+    """Lightning advises ``self.log(..., sync_dist=True)`` for epoch-level values whenever the run is distributed;
+    with one pipeline (no replicas) every rank already logs the pipeline's exact value, and syncing would do
+    nothing. A process-wide filter for that one message."""
+    warnings.filterwarnings("ignore", message=r"It is recommended to use `self\.log\(.*sync_dist=True\)`")
 
 
 def reduction_of(reduce_fx: Any, name: str) -> str:

@@ -51,7 +51,7 @@ from lightning_pp.microbatch import batch_size_of, seeded_shuffle
 from lightning_pp.partition import Balance, check_balance_mode
 from lightning_pp.planning import check_module, check_split, check_training_setup, learn_placement
 from lightning_pp.precision import count_once, loss_multiplier, pipeline_precision
-from lightning_pp.relay import ReportRelay, predictions_to_first_stage, replay
+from lightning_pp.relay import ReportRelay, predictions_to_first_stage, quiet_sync_advice, replay
 from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.schedule import (
     check_loaders,
@@ -234,6 +234,8 @@ class PipelineStrategy(ParallelStrategy):
         self.lightning_module._device_mesh = self._groups.mesh
         if layout.dp > 1 or layout.tp > 1:
             rank_zero_info(layout.describe(self.num_processes))
+        else:  # every rank logs the pipeline's exact value: Lightning's advice to sync over ranks does not apply
+            quiet_sync_advice()
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -401,13 +403,11 @@ class PipelineStrategy(ParallelStrategy):
                 module, self.layers, self.n_stages, self.balance, hook, args, kwargs, m, self.root_device, self.split
             )
         sync_metrics_over(module, self._groups.dp)
-        holding = self._holding
-        optimizers = [_unwrap(o) for o in self.optimizers]
-        local, views, make_stages = holding.hold(
+        local, views, make_stages = self._holding.hold(
             module,
             self._placement,
             layout.stages,
-            optimizers,
+            self.optimizers,
             self._fitting,
             self.root_device,
             self._tracer,
@@ -429,7 +429,7 @@ class PipelineStrategy(ParallelStrategy):
             label=layout.pp_rank,
             shared=shared,
             overlap_replicas=self._tracer is None,
-            sharded=self.fsdp_reshard if holding.sharded else None,
+            sharded=self.fsdp_reshard if self._holding.sharded else None,
         )
         # P2P on NCCL needs device tensors
         device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
