@@ -10,6 +10,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import PipelinePeerError
 from lightning_pp.materialize import empty_weights, materialize, name_seed
 from lightning_pp.strategy import PipelineStrategy
+from lightning_pp.weighting import label_tokens
 
 __all__ = [
     "PipelineConfigError",
@@ -17,6 +18,7 @@ __all__ = [
     "PipelinePeerError",
     "PipelineStrategy",
     "empty_weights",
+    "label_tokens",
     "materialize",
     "name_seed",
 ]

@@ -12,10 +12,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pp.checkpoint import OptimizerLayout, keep_local_parameters
+from lightning_pp.checkpoint import (
+    OptimizerLayout,
+    gather_optimizer_state,
+    keep_local_parameters,
+    optimizer_state_by_name,
+)
 from lightning_pp.materialize import InitFn, materialize
 from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.restore import PendingRestore, restore_stage
@@ -55,7 +61,7 @@ class Holding:
         """This rank's stages on its device: pruned for training (the rest is freed), a view otherwise (a later
         fit still sees the whole module). Returns the rank's module, a view per stage, what makes the stage
         modules."""
-        optimizers = [getattr(o, "_optimizer", o) for o in optimizers]  # Lightning's wrappers unwrapped
+        optimizers = [_unwrap(o) for o in optimizers]
         names = {id(p): n for n, p in module.named_parameters()}
         aliases: dict[int, list[str]] = {}  # every name of each Parameter: a tied one may keep only its second here
         for n, p in module.named_parameters(remove_duplicate=False):
@@ -89,3 +95,30 @@ class Holding:
             copied = restore_stage(pending, local, optimizers, self.optimizer_layouts)
             rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
         return local, views, make_stages
+
+    def optimizer_state(
+        self,
+        optimizer: Any,
+        optimizers: list[Any],
+        module: nn.Module,
+        sharded: bool,
+        writer: bool,
+        group: dist.ProcessGroup | None,
+    ) -> dict[str, Any]:
+        """What a checkpoint keeps of ``optimizer``: keyed by parameter name in a sharded checkpoint (this rank's
+        own state), else in the one-process layout, gathered over the pipeline onto the writer."""
+        optimizer = _unwrap(optimizer)
+        if not self.pruned:  # nothing split yet: this rank holds every parameter
+            if not sharded:
+                return optimizer.state_dict()
+            names = {id(p): n for n, p in module.named_parameters()}
+            return optimizer_state_by_name(optimizer, keep_local_parameters(optimizer, set(names), names))
+        layout = self.optimizer_layouts[[_unwrap(o) for o in optimizers].index(optimizer)]
+        if sharded:
+            return optimizer_state_by_name(optimizer, layout)
+        return gather_optimizer_state(optimizer, layout, group, writer)
+
+
+def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Lightning's ``LightningOptimizer``."""
+    return getattr(optimizer, "_optimizer", optimizer)

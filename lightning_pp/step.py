@@ -193,7 +193,8 @@ class PipelineRunner:
         self.recorder = StepRecorder(label)
         self.last_events: list[Event] = []
         self._recorder = LogRecorder()
-        self._loss_scale = 1.0
+        self._loss_scales: list[float] = []
+        self._weights: list[float] | None = None
 
     def run(
         self,
@@ -202,19 +203,24 @@ class PipelineRunner:
         kwargs: dict,
         n_microbatches: int,
         train: bool,
-        loss_scale: float = 1.0,
+        loss_scale: float | list[float] = 1.0,
         record: bool = False,
+        weights: list[float] | None = None,
     ) -> StepReport | None:
         """One step of ``hook`` (``training_step``, ``validation_step``, ...) over the whole batch.
 
         ``loss_scale`` multiplies each micro-batch loss before backward (1 / (m x accumulation), times the
-        fp16 loss scale). Returns the step's report on the last stage, None elsewhere.
+        fp16 loss scale), or each its own (see ``lightning_pp.weighting``); ``weights`` combine the micro-batches'
+        losses and logged means (default: their sizes). Returns the step's report on the last stage, None elsewhere.
         """
+        m = n_microbatches
+        self._loss_scales = list(loss_scale) if isinstance(loss_scale, list) else [loss_scale] * m
+        self._weights = weights
         with running_stages():
-            return self._run(hook, args, kwargs, n_microbatches, train, loss_scale, record)
+            return self._run(hook, args, kwargs, n_microbatches, train, record)
 
     def _run(
-        self, hook: str, args: tuple, kwargs: dict, n_microbatches: int, train: bool, loss_scale: float, record: bool
+        self, hook: str, args: tuple, kwargs: dict, n_microbatches: int, train: bool, record: bool
     ) -> StepReport | None:
         step = getattr(self.module, hook)
         batch, rest = args[0], tuple(args[1:])
@@ -227,7 +233,7 @@ class PipelineRunner:
         for wrapper in self._wrappers:
             wrapper.inputs, wrapper.mb_size = inputs, rows // n_microbatches
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
-        self._microbatches, self._losses, self._loss_scale = microbatches, {}, loss_scale
+        self._microbatches, self._losses = microbatches, {}
         self.outputs = {}
         self._recorder = LogRecorder(self._tap.paths)
         self._recorder.weight = float(rows // n_microbatches)
@@ -256,8 +262,10 @@ class PipelineRunner:
             self._step = None
         if not self.is_last:
             return None
-        losses = [self._losses[i] for i in sorted(self._losses)]
-        loss = torch.stack(losses).mean() if losses and len(losses) == n_microbatches else None
+        loss = None
+        if self._losses and len(self._losses) == n_microbatches:
+            losses = torch.stack([self._losses[i] for i in range(n_microbatches)])
+            loss = losses.mean() if self._weights is None else _weighted_mean(losses, self._weights)
         return StepReport(loss, combine(self._recorder.records), self._tap.states())
 
     def _schedule(
@@ -304,6 +312,8 @@ class PipelineRunner:
             return sum_of_outputs(output)
         last = self._wrappers[-1]
         index = int(target[0]) // last.mb_size
+        if self._weights is not None:  # the micro-batch's logged means count by its weight
+            self._recorder.weight = self._weights[index]
         result = self._user_step(index, last.outputs.pop(index))
         self.outputs[index] = result
         if not self._current._has_backward:  # what validation/test/predict return is not a loss (argmax ids)
@@ -315,7 +325,7 @@ class PipelineRunner:
                 " (a tensor, or a dict with a 'loss' key) on every micro-batch: skipping a step is not supported."
             )
         self._losses[index] = loss.detach()
-        return loss * self._loss_scale
+        return loss * self._loss_scales[index]
 
     def _user_step(self, index: int, output: Any) -> Any:
         assert self._step is not None
@@ -362,6 +372,11 @@ def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGro
         flat.div_(size)
         for grad, averaged in zip(same, _unflatten_dense_tensors(flat, same)):
             grad.copy_(averaged)
+
+
+def _weighted_mean(values: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    w = torch.tensor(weights, dtype=torch.float64, device=values.device)
+    return ((values.double() * w).sum() / w.sum()).to(values.dtype) if w.sum() > 0 else values.mean()
 
 
 def _loss_of(result: Any) -> torch.Tensor | None:

@@ -21,7 +21,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import Trainer
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -31,13 +30,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pp.checkpoint import (
-    OptimizerLayout,
     check_state_dict_type,
     gather_model_state,
-    gather_optimizer_state,
     is_complete,
-    keep_local_parameters,
-    optimizer_state_by_name,
     save_sharded,
 )
 from lightning_pp.dtensors import has_dtensors
@@ -47,7 +42,7 @@ from lightning_pp.launch import PipelineLauncher
 from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights
 from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
 from lightning_pp.metrics import load_states, sync_metrics_over
-from lightning_pp.microbatch import batch_size_of, seeded_shuffle
+from lightning_pp.microbatch import batch_size_of, seeded_shuffle, split_batch
 from lightning_pp.partition import Balance, check_balance_mode
 from lightning_pp.planning import check_module, check_split, check_training_setup, learn_placement
 from lightning_pp.precision import count_once, loss_multiplier, pipeline_precision
@@ -73,6 +68,7 @@ from lightning_pp.swap import fault_point, swapped_in
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
 from lightning_pp.traced import Tracer
+from lightning_pp.weighting import MicrobatchWeight, WindowWeights, weights_of
 
 
 class PipelineStrategy(ParallelStrategy):
@@ -117,6 +113,7 @@ class PipelineStrategy(ParallelStrategy):
         data_parallel: DataParallel = "ddp",
         fsdp_reshard: Reshard = "step",
         tensor_parallel_size: int = 1,
+        microbatch_weight: Optional[MicrobatchWeight] = None,
         init_fn: Optional[InitFn] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
@@ -142,6 +139,8 @@ class PipelineStrategy(ParallelStrategy):
         self.data_parallel = data_parallel
         self.fsdp_reshard = fsdp_reshard
         self.tensor_parallel_size = int(tensor_parallel_size)
+        self.microbatch_weight = microbatch_weight
+        self._window = WindowWeights()
         self.init_fn = init_fn
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=timeout)
@@ -290,18 +289,22 @@ class PipelineStrategy(ParallelStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
         m, accumulate = self.microbatches_for(batch_size_of(args[0])), trainer.accumulate_grad_batches
-        scale = loss_multiplier(self.precision_plugin) / (m * accumulate)
         runner = self._prepare("training_step", args, kwargs)  # the stages' Parameters (sharded, real) exist from here
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         # the first batch of an accumulation window: Lightning zeroes the earlier gradients before backward, so
         # they are released now rather than held beside this step's (``on_before_zero_grad`` sees none)
         released = len(args) > 1 and isinstance(args[1], int) and args[1] % trainer.accumulate_grad_batches == 0
         earlier = [None if released else p.grad for p in params]
+        scale: Union[float, list[float]] = loss_multiplier(self.precision_plugin) / (m * accumulate)
+        weights = self._weights_of(args[0], m)
+        if weights is not None:  # sum(w_i loss_i) / sum(w_i) over every replica's batch and the window
+            shares = self._window.loss_scales(weights, released, self._groups.dp, self.layout.dp)
+            scale = [loss_multiplier(self.precision_plugin) * share for share in shares]
         for p in params:
             p.grad = None
         try:
             with self.precision_plugin.train_step_context():
-                loss = self._pipelined("training_step", args, kwargs, train=True, loss_scale=scale, runner=runner)
+                loss = self._pipelined("training_step", args, kwargs, True, scale, runner, weights)
             # Lightning zeroes gradients between training_step and backward: keep this step's aside
             self._step_grads = [(p, p.grad) for p in params]
         finally:
@@ -318,6 +321,8 @@ class PipelineStrategy(ParallelStrategy):
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
         self._step_grads = []
+        if self.microbatch_weight is not None and not self.lightning_module.trainer.fit_loop._should_accumulate():
+            self._window.end_window(self.lightning_module.parameters())
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -361,14 +366,14 @@ class PipelineStrategy(ParallelStrategy):
         args: tuple,
         kwargs: dict,
         train: bool,
-        loss_scale: float = 1.0,
+        loss_scale: Union[float, list[float]] = 1.0,
         runner: Optional[PipelineRunner] = None,
+        weights: Optional[list[float]] = None,
     ) -> Optional[Tensor]:
         runner = runner or self._prepare(hook, args, kwargs)
         m = self.microbatches_for(batch_size_of(args[0]))
-        report = runner.run(
-            hook, args, kwargs, m, train=train, loss_scale=loss_scale, record=train and self.record_next_step
-        )
+        weights = weights or self._weights_of(args[0], m)
+        report = runner.run(hook, args, kwargs, m, train, loss_scale, train and self.record_next_step, weights)
         self.record_next_step = False
         assert self._relay is not None
         report = self._relay.relay(report)
@@ -386,6 +391,10 @@ class PipelineStrategy(ParallelStrategy):
     def last_step_events(self) -> list[Event]:
         """This rank's timed events of the last recorded step (see ``PipelineMonitor``)."""
         return self._runner.last_events if self._runner is not None else []
+
+    def _weights_of(self, batch: Any, m: int) -> Optional[list[float]]:
+        fn = self.microbatch_weight
+        return None if fn is None else weights_of(fn, split_batch(batch, m))
 
     def microbatches_for(self, batch_size: int) -> int:
         """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages]."""
@@ -517,19 +526,10 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        optimizer = _unwrap(optimizer)
-        if self.state_dict_type == "sharded":
-            if not self._holding.pruned:  # nothing split yet: this rank holds every parameter
-                names = {id(p): n for n, p in self.lightning_module.named_parameters()}
-                return optimizer_state_by_name(optimizer, keep_local_parameters(optimizer, set(names), names))
-            return optimizer_state_by_name(optimizer, self._layout_of(optimizer))
-        if not self._holding.pruned:
-            return optimizer.state_dict()
-        writer = self.layout.writes_full_checkpoint
-        return gather_optimizer_state(optimizer, self._layout_of(optimizer), self._groups.pp, writer)
-
-    def _layout_of(self, optimizer: torch.optim.Optimizer) -> OptimizerLayout:
-        return self._holding.optimizer_layouts[[_unwrap(o) for o in self.optimizers].index(optimizer)]
+        writer, sharded = self.layout.writes_full_checkpoint, self.state_dict_type == "sharded"
+        return self._holding.optimizer_state(
+            optimizer, self.optimizers, self.lightning_module, sharded, writer, self._groups.pp
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -585,7 +585,3 @@ class PipelineStrategy(ParallelStrategy):
         strategy_registry.register(
             "pipeline_gpipe", cls, description="Pipeline parallelism with the GPipe schedule", schedule="gpipe"
         )
-
-
-def _unwrap(optimizer: Any) -> torch.optim.Optimizer:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer

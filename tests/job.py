@@ -8,6 +8,7 @@ final checkpoint ``final.ckpt`` and ``initial.pt``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -48,6 +49,7 @@ from models import (  # noqa: E402
 
 import lightning_pp  # noqa: E402,F401
 from lightning_pp.dtensors import local_tensor  # noqa: E402
+from lightning_pp.weighting import label_tokens  # noqa: E402
 
 MODELS = {
     "tiny": TinyGPT,
@@ -214,8 +216,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     batch = cfg.get("batch", 8)
-    train = loader(cfg.get("n_train", 64), batch, seed=0)
-    val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1)
+    train = loader(cfg.get("n_train", 64), batch, seed=0, pad=cfg.get("pad", False))
+    val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1, pad=cfg.get("pad", False))
     if cfg.get("reverse_within"):
         # micro-batches of each pipelined batch in reverse, as a schedule that runs backward last-first sums them
         n, full = cfg.get("n_train", 64), cfg["reverse_within"]
@@ -251,6 +253,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             data_parallel=cfg.get("data_parallel", "ddp"),
             fsdp_reshard=cfg.get("fsdp_reshard", "step"),
             tensor_parallel_size=cfg.get("tp", 1),
+            microbatch_weight=functools.partial(label_tokens, key="targets") if cfg.get("weighted") else None,
             timeout=cfg.get("timeout", 60),
         )
         devices = cfg["devices"]

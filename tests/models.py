@@ -135,10 +135,13 @@ class TinyGPT(L.LightningModule):
 class Tokens(Dataset):
     """Random sequences whose targets are a fixed function of the tokens (learnable, no download)."""
 
-    def __init__(self, n: int, seq: int = 8, vocab: int = 32, seed: int = 0) -> None:
+    def __init__(self, n: int, seq: int = 8, vocab: int = 32, seed: int = 0, pad: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.tokens = torch.randint(0, vocab, (n, seq), generator=g)
         self.targets = (self.tokens * 7 + 3) % vocab
+        if pad:  # padded sequences: targets -100 past a random length of at least 2 (one label after the shift)
+            lengths = torch.randint(2, seq + 1, (n, 1), generator=g)
+            self.targets[torch.arange(seq).expand(n, seq) >= lengths] = -100
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -147,8 +150,8 @@ class Tokens(Dataset):
         return {"tokens": self.tokens[i], "targets": self.targets[i]}
 
 
-def loader(n: int, batch_size: int, seed: int = 0, seq: int = 8, vocab: int = 32) -> DataLoader:
-    return DataLoader(Tokens(n, seq, vocab, seed), batch_size=batch_size, shuffle=False)
+def loader(n: int, batch_size: int, seed: int = 0, seq: int = 8, vocab: int = 32, pad: bool = False) -> DataLoader:
+    return DataLoader(Tokens(n, seq, vocab, seed, pad), batch_size=batch_size, shuffle=False)
 
 
 class NoSkipGPT(TinyGPT):

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import child_env, free_port, run_two_nodes
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
@@ -60,6 +61,7 @@ def logged_losses(run_dir: Path) -> list[float]:
             "strategy.tensor_parallel_size=2",
             "strategy.pipeline_parallel_size=2",
         ],
+        ["strategy.microbatch_weight={_target_:lightning_pp.label_tokens,_partial_:true,key:targets}"],
     ],
 )
 def test_every_config_group_composes(overrides):
@@ -68,7 +70,7 @@ def test_every_config_group_composes(overrides):
     assert set(cfg.strategy) - {"_target_"} == {
         "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
         "activation_checkpointing", "state_dict_type", "split", "init_fn", "timeout", "data_parallel", "fsdp_reshard",
-        "tensor_parallel_size",
+        "tensor_parallel_size", "microbatch_weight",
     }  # fmt: skip
     if "model=gpt2_tiny" in overrides:  # the model's config sets how the strategy splits it
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.transformer.h")
@@ -80,6 +82,9 @@ def test_every_config_group_composes(overrides):
         assert cfg.trainer.precision is None and plugin.precision == "16-mixed" and plugin.scaler.get_scale() == 1024
     if "hydra/launcher=slurm" in overrides:
         assert cfg.hydra.launcher.nodes == 2 and cfg.hydra.launcher.tasks_per_node == 4
+    if cfg.strategy.microbatch_weight is not None:  # a function named in the config: padded labels' token count
+        weight = instantiate(cfg.strategy).microbatch_weight
+        assert weight({"targets": torch.tensor([[1, 2, 3, -100], [4, 5, -100, -100]])}) == 3
 
 
 @pytest.mark.parametrize(

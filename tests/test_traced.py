@@ -194,3 +194,28 @@ def test_numbers_forward_makes_into_tensors_keep_their_values():
     neo, tokens = GPTNeoForCausalLM(config), torch.randint(0, 32, (2, 8))
     _, traced = chain(neo, "transformer.h", 2, ModelCall("", (), {"input_ids": tokens, "labels": tokens}))
     assert torch.equal(traced.loss, neo(input_ids=tokens, labels=tokens).loss)
+
+
+def test_token_weighted_microbatches_train_as_one_process_on_padded_batches(tmp_path, reference):
+    # labels -100 past a random length: micro-batches hold different numbers of real tokens. With
+    # microbatch_weight (label tokens after the shift) the loss is the batch's token mean, as on one process
+    cfg = dict(GPT2, pad=True, weighted=True, schedule="1f1b", devices=2, m=4, batch=8, n_train=32)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "weighted", timeout=240))
+    ref = reference(**common(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert_state_equal(job.state(), ref["state"], 1e-5)
+    # without it: the mean of the micro-batches' means, visibly another loss
+    plain = ok(run_job({**cfg, "weighted": False, "strategy": "pipeline"}, tmp_path / "plain", timeout=240))
+    got, expected = plain.rank(0)["train"], ref["train"]
+    assert max(abs(a["train_loss"] - b["train_loss"]) for a, b in zip(got, expected)) > 1e-2
+
+
+def test_token_weights_span_the_replicas_and_the_accumulation_window(tmp_path, reference):
+    # 2 replicas x 2 stages accumulating 2 batches: each optimizer step is the token mean over the 4 batches
+    # of its window, which one process computes on one batch of all 32 samples (the replicas' order)
+    cfg = dict(GPT2, pad=True, weighted=True, schedule="gpipe", devices=4, pp=2, m=2, batch=8, n_train=64,
+               accumulate=2, max_epochs=2)  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    ref = reference(**{**common(cfg), "batch": 32, "accumulate": 1, "replicas_order": True})
+    assert len([r for r in ref["logged"] if "train_loss" in r]) == 4
+    assert_state_equal(job.state(), ref["state"], 1e-5)
