@@ -86,7 +86,11 @@ class Holding:
                 )  # type: ignore[arg-type]
             else:
                 materialize(local, device, init_fn=self.init_fn)
-                made = tracer.stages(views, device) if tracer else pruned_stages(views, placement)
+                made = (
+                    tracer.stages(views, device, self.activation_checkpointing)
+                    if tracer
+                    else pruned_stages(views, placement)
+                )
             self._made = (views, made)
         views, make_stages = self._made
         repoint_optimizers(optimizers, aliases, local)

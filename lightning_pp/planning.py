@@ -113,14 +113,9 @@ def check_training_setup(module: LightningModule, schedule: str, n_microbatches:
         check_microbatches(schedule, n_microbatches, layout.pp, layout.n_stages)
 
 
-def check_split(split: str, activation_checkpointing: bool) -> None:
+def check_split(split: str) -> None:
     if split not in ("prune", "trace"):
         raise PipelineConfigError(
             f"Unknown split={split!r}; use 'prune' (the user's forward on a module pruned to the stage, skipping None"
             " parts) or 'trace' (torch's pipeline tracer splits the model at its layers)."
-        )
-    if split == "trace" and activation_checkpointing:
-        raise PipelineConfigError(
-            "activation_checkpointing=True is not supported with split='trace' yet (the traced pieces do not run the"
-            " layers' modules); use split='prune', or train without activation checkpointing."
         )

@@ -77,8 +77,14 @@ def count_flops(
 ) -> Costs:
     """FLOPs of forward plus backward per layer and of the parts before and after them, for a module
     (and inputs) on the meta device."""
-    with _untouched(module, torch.device("meta")), FlopCounterMode(display=False) as counter:
-        return _timed_run(layers, lambda: forward(*args, **kwargs), lambda: float(counter.get_total_flops()))
+    with _untouched(module, torch.device("meta")):
+        return flops_of(layers, lambda: forward(*args, **kwargs))
+
+
+def flops_of(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any]) -> Costs:
+    """FLOPs of ``run_forward`` and its backward (on meta tensors) per layer and before and after them."""
+    with FlopCounterMode(display=False) as counter, torch.enable_grad():
+        return _timed_run(layers, run_forward, lambda: float(counter.get_total_flops()))
 
 
 @contextlib.contextmanager

@@ -126,7 +126,7 @@ class PipelineStrategy(ParallelStrategy):
         check_state_dict_type(state_dict_type)
         if isinstance(balance, str):
             check_balance_mode(balance)
-        check_split(split, activation_checkpointing)
+        check_split(split)
         check_parallelism(data_parallel, fsdp_reshard, tensor_parallel_size, self.schedule, split)
         self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
         self.pipeline_parallel_size = pipeline_parallel_size

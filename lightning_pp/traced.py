@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import inspect
 import operator
 from collections.abc import Callable, Iterator
@@ -37,6 +38,8 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.materialize import on_meta
 from lightning_pp.microbatch import ModelCall, signature
 from lightning_pp.partition import Balance, Costs, resolve_balance, stage_of_each_layer
+from lightning_pp.profiling import describe_costs, flops_of
+from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.stage import Placement, find_layers, find_ties, get_path, parts_and_params, patched
 from lightning_pp.step import StageModule, StageModules
 
@@ -99,21 +102,52 @@ class Tracer:
             self._traces[key] = _trace(self.skeleton, train, call, self.split_points, self.n_stages)
         return self._traces[key]
 
+    def flop_costs(self, train: bool, call: ModelCall) -> Costs:
+        """FLOPs of forward and backward per layer (and before and after the layers), counted on meta by running
+        the pieces one after another: the same on every rank, no weights, no memory; a model built on meta
+        too (Hugging Face's eager forward cannot run on meta)."""
+        trace = self.trace(train, call)
+        layers = {k: m for piece in trace.pieces for k, m in self._layers_of(piece).items()}
+        args, kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (call.args, call.kwargs))
+        bound = _bind(self.skeleton, args, kwargs)
+
+        def run() -> tuple:
+            received: tuple = ()
+            for stage in range(self.n_stages):
+                values = trace.run(stage, received, bound)
+                received = tuple(values[key] for key in (trace.carry + [trace.outputs])[stage])
+            return received
+
+        try:
+            return flops_of(layers, run)
+        finally:
+            self.skeleton.zero_grad(set_to_none=True)
+
+    def _layers_of(self, piece: nn.Module) -> dict[str, nn.Module]:
+        """The piece's own modules of the layers (the tracer keeps each layer a submodule the graph calls)."""
+        container = self.split_points[0].rpartition(".")[0] if self.split_points else ""
+        try:
+            return dict(piece.get_submodule(container).named_children()) if container else {}
+        except AttributeError:
+            return {}
+
     def names_per_stage(self, trace: _Trace) -> list[set[str]]:
         """The whole module's names of the parameters and buffers each stage's piece uses."""
         return [{self._prefix + n for n in _used(piece)} for piece in trace.pieces]
 
-    def stages(self, views: dict[int, nn.Module], device: torch.device) -> StageModules:
-        """This rank's stage modules for a batch: its pieces of that batch's trace, holding the real tensors."""
+    def stages(self, views: dict[int, nn.Module], device: torch.device, recompute: bool = False) -> StageModules:
+        """This rank's stage modules for a batch: its pieces of that batch's trace, holding the real tensors.
+        ``recompute``: each layer of a piece keeps only its inputs and recomputes its activations in backward."""
         built: dict[int, list[StageModule]] = {}
 
         def make(train: bool, call: ModelCall) -> list[StageModule]:
             trace = self.trace(train, call)
             if id(trace) not in built:
-                built[id(trace)] = [
-                    _TracedStage(_adopt(trace.pieces[s], views[s], self._prefix, device), s, trace, self.skeleton)
-                    for s in views
-                ]
+                pieces = {s: _adopt(trace.pieces[s], views[s], self._prefix, device) for s in views}
+                if recompute:
+                    for piece in pieces.values():
+                        checkpoint_layers(self._layers_of(piece))
+                built[id(trace)] = [_TracedStage(pieces[s], s, trace, self.skeleton) for s in views]
             return built[id(trace)]
 
         return make
@@ -124,15 +158,17 @@ def traced_placement(
 ) -> tuple[Placement, Tracer]:
     """The placement a first trace gives (layers by ``balance``, every other part where the pieces use it),
     and the tracer for later traces; on every rank alike, before any collective."""
-    if isinstance(balance, str) and balance.lower() == "profile":
-        raise PipelineConfigError(
-            "balance='profile' is not supported with split='trace' yet; use balance='parameters', 'uniform' or"
-            " a list of layer counts."
-        )
     keys = tuple(find_layers(module, layers))
-    counts = tuple(resolve_balance(balance, len(keys), n_stages, _layer_costs(module, layers)))
     if not layers.startswith(call.entry):
         raise PipelineConfigError(f"The step calls '{call.entry}', which does not hold the layers at {layers!r}.")
+    costs = _layer_costs(module, layers)
+    profile = isinstance(balance, str) and balance.lower() == "profile"
+    if profile:  # FLOPs of a uniformly split trace's pieces: every layer in some piece
+        uniform = tuple(resolve_balance("uniform", len(keys), n_stages))
+        costs = Tracer(module, call.entry, layers, uniform).flop_costs(train, call)
+    counts = tuple(resolve_balance(balance, len(keys), n_stages, costs))
+    if profile:
+        rank_zero_info(describe_costs(costs, list(counts), flops=True))
     tracer = Tracer(module, call.entry, layers, counts)
     held = tracer.names_per_stage(tracer.trace(train, call))
     for (key, layer), stage in zip(find_layers(module, layers).items(), stage_of_each_layer(counts)):
@@ -169,10 +205,15 @@ def _without_cache(skeleton: nn.Module) -> None:
     for config in cached.values():
         config.use_cache = False
     if cached:
-        rank_zero_info(
+        _say_once(
             f"{type(skeleton).__name__} has config.use_cache=True; the pipeline's traced copy runs with"
             " use_cache=False (a key/value cache is not used in training). Your model's config is unchanged."
         )
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(message: str) -> None:
+    rank_zero_info(message)
 
 
 def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list[str], n_stages: int) -> _Trace:

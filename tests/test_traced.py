@@ -22,12 +22,15 @@ GPT2 = dict(model="gpt2", layers="model.transformer.h", split="trace", optimizer
 TIE = ("model.transformer.wte.weight", "model.lm_head.weight")
 
 SCENARIOS = {
-    # labels= reach the last stage from the local batch; 36 samples: the last batch (4) is traced again
-    "labels-1f1b-2": dict(GPT2, schedule="1f1b", devices=2, m=2, batch=8, n_train=36, predict=True),
+    # labels= reach the last stage from the local batch; 36 samples: the last batch (4) is traced again; each
+    # piece's layers recompute their activations in backward
+    "labels-1f1b-2-recompute": dict(
+        GPT2, schedule="1f1b", devices=2, m=2, batch=8, n_train=36, predict=True, activation_checkpointing=True
+    ),
     # 3 stages, default micro-batches (6 per batch of 6, 4 for the last batch of 4); GPT2Config's default
-    # use_cache=True (the traced copy runs without the cache, said once)
-    "labels-gpipe-3": dict(
-        GPT2, model="gpt2_cache", schedule="gpipe", devices=3, m=None, batch=6, n_train=40, n_val=12
+    # use_cache=True (the traced copy runs without the cache, said once); balanced by the pieces' FLOPs
+    "labels-gpipe-3-profile": dict(
+        GPT2, model="gpt2_cache", schedule="gpipe", devices=3, m=None, batch=6, n_train=40, n_val=12, balance="profile"
     ),
     # the step's own cross-entropy from .logits; ZBV puts the embedding's and the head's stage on rank 0
     "logits-zbv-4": dict(GPT2, model="gpt2_logits", schedule="zbv", devices=2, m=4, batch=8, n_train=32),
@@ -42,6 +45,8 @@ def test_hf_gpt2_traced_trains_as_one_process(name, tmp_path, reference):
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     assert job.output.count("shared by stages") == 1, job.output[-3000:]  # the tie, in the placement log
     assert job.output.count("the pipeline's traced copy runs with use_cache=False") == (cfg["model"] == "gpt2_cache")
+    if cfg.get("balance") == "profile":  # the traced pieces' FLOPs on meta, logged once
+        assert job.output.count("Profiled forward+backward per micro-batch (GFLOP, counted on meta)") == 1
     state = job.state()
     assert_state_equal(state, ref["state"], 1e-5)
     assert torch.equal(state[TIE[0]], state[TIE[1]])
