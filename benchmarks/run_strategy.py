@@ -2,8 +2,8 @@
 
     run_strategy.py SCHEDULE M STEPS OUT [OPTIONS_JSON]
 
-OPTIONS_JSON may set ``balance``, ``vocab`` (a heavier head) and ``monitor`` (PipelineMonitor on:
-the measured bubble of each step is written too). Writes the wall times between consecutive
+OPTIONS_JSON may set ``balance``, ``vocab`` (a heavier head), ``activation_checkpointing`` and ``monitor``
+(PipelineMonitor on: the measured bubble of each step is written too). Writes the wall times between consecutive
 training-batch ends on rank 0 to the JSON file OUT.
 """
 
@@ -40,7 +40,10 @@ if __name__ == "__main__":
     loader = DataLoader(batches(steps, vocab=model["vocab"]), batch_size=None)
     ends = BatchEnds()
     callbacks = [PipelineMonitor(dirpath=options["monitor"]), ends] if options.get("monitor") else [ends]
-    trainer = pipeline_trainer(schedule, m, steps, callbacks, balance=options.get("balance"))
+    recompute = options.get("activation_checkpointing", False)
+    trainer = pipeline_trainer(
+        schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute
+    )
     trainer.fit(GPT(**model), loader)
     if trainer.global_rank == 0:
         with open(out, "w") as f:

@@ -1,18 +1,28 @@
-"""Activation checkpointing of each pipelined layer (GPipe's re-materialisation).
+"""Activation checkpointing of each pipelined layer (GPipe's re-materialisation), recomputed once per backward.
 
 Each layer keeps only its inputs for backward and recomputes its activations there. The layer's
 ``forward`` is wrapped on the instance, so module names, state-dict keys and hooks stay as they are
 (torch's ``checkpoint_wrapper`` would insert a ``_checkpoint_wrapped_module`` level into every key).
+
+torch's own non-reentrant checkpoint recomputes once per autograd call. The zero-bubble and V
+schedules split each micro-batch's backward into an input pass and one or more weight passes, so a
+layer recomputed its forward three times (measured: 12 forward calls instead of 6 for 3 layers),
+and recompute cost ZBV 2.6x its step time against 1.46x for 1F1B. Here the recomputation belongs to
+the layer call: the first unpack in any backward pass recomputes, every later one (the weight pass
+reads some of the same saved tensors as the input pass) reuses it, and the values go when the
+autograd graph does. torch 2.13's ``GraphExecGroup`` recomputes once too, but refuses passes that
+read the same saved tensor (a ReLU's result is read by both).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils._pytree import tree_flatten
 
 
 def checkpoint_layers(layers: Mapping[str, nn.Module]) -> None:
@@ -26,7 +36,65 @@ def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation saves nothing anyway
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        return _Call(forward, args, kwargs).run()
 
     run._recomputed = True  # type: ignore[attr-defined]
     return run
+
+
+class _Call:
+    """One call of a layer: what backward needs to recompute it, and the recomputed saved tensors."""
+
+    def __init__(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> None:
+        self.forward, self.args, self.kwargs = forward, args, kwargs
+        tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        self.cuda = sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"})
+        self.rng = torch.get_rng_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.cuda]
+        self.autocast = {
+            device: (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+            for device in ("cpu", "cuda")
+            if device == "cpu" or self.cuda
+        }
+        self.saved = 0  # tensors the forward saved for backward
+        self.values: list[torch.Tensor] | None = None
+
+    def run(self) -> Any:
+        def pack(_: torch.Tensor) -> tuple[_Call, int]:
+            self.saved += 1
+            return self, self.saved - 1
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
+            return self.forward(*self.args, **self.kwargs)
+
+    def recompute(self) -> list[torch.Tensor]:
+        if self.values is None:
+            values: list[torch.Tensor] = []
+
+            def keep(t: torch.Tensor) -> torch.Tensor:
+                values.append(t.detach() if t.requires_grad else t)
+                return t
+
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(torch.random.fork_rng(devices=self.cuda))
+                torch.set_rng_state(self.rng)
+                for device, state in zip(self.cuda, self.cuda_rng):
+                    torch.cuda.set_rng_state(state, device)
+                for device, (enabled, dtype) in self.autocast.items():
+                    stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+                stack.enter_context(torch.enable_grad())
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t))
+                self.forward(*self.args, **self.kwargs)
+            if len(values) != self.saved:
+                raise RuntimeError(
+                    f"activation_checkpointing: recomputing a layer saved {len(values)} tensors for backward, its"
+                    f" forward saved {self.saved}; the layer's forward must do the same work every time it runs"
+                    " (no data-dependent branches), or train with activation_checkpointing=False."
+                )
+            self.values = values
+        return self.values
+
+
+def _unpack(handle: tuple[_Call, int]) -> torch.Tensor:
+    call, index = handle
+    return call.recompute()[index]

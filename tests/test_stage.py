@@ -205,3 +205,35 @@ def test_activation_checkpointing_recomputes_each_layer_with_equal_gradients():
     assert calls_ckpt == 2 * calls == 6  # each layer ran again in backward (dropout replayed: equal grads)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_ckpt)) and torch.equal(x_grad, x_grad_ckpt)
     assert saved_ckpt < saved / 2
+
+
+def test_activation_checkpointing_recomputes_once_under_a_split_backward():
+    # the zero-bubble and V schedules' backward: an input pass, then weight passes over the same saved tensors
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    calls: list[int] = []
+
+    def build():
+        torch.manual_seed(0)
+        layers = nn.ModuleDict({str(i): nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Dropout(0.2)) for i in range(3)})
+        for layer in layers.values():
+            layer[0].register_forward_hook(lambda *_: calls.append(1))
+        return layers
+
+    def run(layers):
+        calls.clear()
+        torch.manual_seed(1)
+        x = torch.randn(4, 16, requires_grad=True)
+        h = x
+        for layer in layers.values():
+            h = layer(h)
+        (x_grad,), groups = stage_backward_input([h], [torch.ones_like(h)], [x], layers.parameters())
+        stage_backward_weight(layers.parameters(), groups)
+        return [p.grad for p in layers.parameters()], x_grad, len(calls)
+
+    plain, recomputed = build(), build()
+    checkpoint_layers(recomputed)
+    grads, x_grad, n_plain = run(plain)
+    grads_ckpt, x_grad_ckpt, n_ckpt = run(recomputed)
+    assert n_ckpt == 2 * n_plain == 6  # torch's checkpoint: once per pass, 9
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ckpt)) and torch.equal(x_grad, x_grad_ckpt)
