@@ -8,6 +8,8 @@ re-pointed at the Parameters that now exist -> the checkpoint being resumed, if 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ class Holding:
 
     layers: str
     activation_checkpointing: bool = False
+    split_backward: bool = False  # the schedule runs an input and a weight pass (see lightning_pp.recompute)
     shard_over: Any = None  # the replicas' DeviceMesh under data_parallel="fsdp", else None
     fsdp_reshard: str = "step"
     mp_policy: Any = None  # FSDP2's MixedPrecisionPolicy
@@ -75,7 +78,7 @@ class Holding:
             self.optimizer_layouts = [keep_local_parameters(o, local_ids, names) for o in optimizers]
             self.pruned = True
             if self.activation_checkpointing:
-                checkpoint_layers(find_layers(module, self.layers))
+                checkpoint_layers(find_layers(module, self.layers), once=self.split_backward)
         local = module if self.pruned else stage_view(module, placement, stages)
         if self._made is None or not self.pruned:
             views = {s: stage_view(local, placement, [s]) for s in stages}
@@ -86,11 +89,7 @@ class Holding:
                 )  # type: ignore[arg-type]
             else:
                 materialize(local, device, init_fn=self.init_fn)
-                made = (
-                    tracer.stages(views, device, self.activation_checkpointing)
-                    if tracer
-                    else pruned_stages(views, placement)
-                )
+                made = tracer.stages(views, device, self._recompute) if tracer else pruned_stages(views, placement)
             self._made = (views, made)
         views, make_stages = self._made
         repoint_optimizers(optimizers, aliases, local)
@@ -99,6 +98,12 @@ class Holding:
             copied = restore_stage(pending, local, optimizers, self.optimizer_layouts)
             rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
         return local, views, make_stages
+
+    @property
+    def _recompute(self) -> Callable[[Mapping[str, nn.Module]], None] | None:
+        if not self.activation_checkpointing:
+            return None
+        return functools.partial(checkpoint_layers, once=self.split_backward)
 
     def optimizer_state(
         self,

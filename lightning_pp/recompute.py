@@ -1,17 +1,18 @@
-"""Activation checkpointing of each pipelined layer (GPipe's re-materialisation), recomputed once per backward.
+"""Activation checkpointing of each pipelined layer (GPipe's re-materialisation).
 
 Each layer keeps only its inputs for backward and recomputes its activations there. The layer's
 ``forward`` is wrapped on the instance, so module names, state-dict keys and hooks stay as they are
 (torch's ``checkpoint_wrapper`` would insert a ``_checkpoint_wrapped_module`` level into every key).
 
-torch's own non-reentrant checkpoint recomputes once per autograd call. The zero-bubble and V
-schedules split each micro-batch's backward into an input pass and one or more weight passes, so a
-layer recomputed its forward three times (measured: 12 forward calls instead of 6 for 3 layers),
-and recompute cost ZBV 2.6x its step time against 1.46x for 1F1B. Here the recomputation belongs to
-the layer call: the first unpack in any backward pass recomputes, every later one (the weight pass
-reads some of the same saved tensors as the input pass) reuses it, and the values go when the
-autograd graph does. torch 2.13's ``GraphExecGroup`` recomputes once too, but refuses passes that
-read the same saved tensor (a ReLU's result is read by both).
+torch's own non-reentrant checkpoint recomputes once per autograd call and frees each recomputed
+tensor as soon as backward has read it: right for one backward per micro-batch. The zero-bubble and
+V schedules split each micro-batch's backward into an input pass and weight passes, so a layer
+recomputed its forward once per pass (9 forward calls instead of 6 for 3 layers; ZBV's step took
+2.8x with recompute against 1.4x for 1F1B). For those (``once=True``) the recomputation belongs to
+the layer call: the first unpack in any pass recomputes, later ones (the weight pass reads some of
+the input pass's tensors) reuse it, and the values go with the autograd graph, after the weight
+pass. torch 2.13's ``GraphExecGroup`` recomputes once too, but refuses passes that read the same
+saved tensor (a ReLU's result is read by both).
 """
 
 from __future__ import annotations
@@ -23,19 +24,23 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import checkpoint
 
 
-def checkpoint_layers(layers: Mapping[str, nn.Module]) -> None:
-    """Recompute each layer's activations in backward; random ops (dropout) replay the same draws."""
+def checkpoint_layers(layers: Mapping[str, nn.Module], once: bool = False) -> None:
+    """Recompute each layer's activations in backward; random ops (dropout) replay the same draws. ``once``:
+    one recomputation shared by the passes of a split backward (the zero-bubble and V schedules)."""
     for layer in layers.values():
         if not getattr(layer.forward, "_recomputed", False):
-            layer.forward = _recomputed(layer.forward)  # type: ignore[method-assign]
+            layer.forward = _recomputed(layer.forward, once)  # type: ignore[method-assign]
 
 
-def _recomputed(forward: Callable[..., Any]) -> Callable[..., Any]:
+def _recomputed(forward: Callable[..., Any], once: bool) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation saves nothing anyway
             return forward(*args, **kwargs)
+        if not once:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
         return _Call(forward, args, kwargs).run()
 
     run._recomputed = True  # type: ignore[attr-defined]

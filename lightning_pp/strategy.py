@@ -49,6 +49,7 @@ from lightning_pp.precision import count_once, loss_multiplier, pipeline_precisi
 from lightning_pp.relay import ReportRelay, predictions_to_first_stage, quiet_sync_advice, replay
 from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.schedule import (
+    SPLIT_BACKWARD,
     check_loaders,
     check_microbatches,
     default_microbatches,
@@ -151,7 +152,8 @@ class PipelineStrategy(ParallelStrategy):
         self._tracer: Optional[Tracer] = None
         self._runner: Optional[PipelineRunner] = None
         self._relay: Optional[ReportRelay] = None
-        self._holding = Holding(layers, activation_checkpointing, fsdp_reshard=fsdp_reshard, init_fn=init_fn)
+        split = self.schedule in SPLIT_BACKWARD
+        self._holding = Holding(layers, activation_checkpointing, split, fsdp_reshard=fsdp_reshard, init_fn=init_fn)
         self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
         self._pending: Optional[PendingRestore] = None
         self._replace_random_samplers = False

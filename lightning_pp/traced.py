@@ -22,7 +22,7 @@ import copy
 import functools
 import inspect
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -39,7 +39,6 @@ from lightning_pp.materialize import on_meta
 from lightning_pp.microbatch import ModelCall, signature
 from lightning_pp.partition import Balance, Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.profiling import describe_costs, flops_of
-from lightning_pp.recompute import checkpoint_layers
 from lightning_pp.stage import Placement, find_layers, find_ties, get_path, parts_and_params, patched
 from lightning_pp.step import StageModule, StageModules
 
@@ -135,18 +134,23 @@ class Tracer:
         """The whole module's names of the parameters and buffers each stage's piece uses."""
         return [{self._prefix + n for n in _used(piece)} for piece in trace.pieces]
 
-    def stages(self, views: dict[int, nn.Module], device: torch.device, recompute: bool = False) -> StageModules:
+    def stages(
+        self,
+        views: dict[int, nn.Module],
+        device: torch.device,
+        recompute: Callable[[Mapping[str, nn.Module]], None] | None = None,
+    ) -> StageModules:
         """This rank's stage modules for a batch: its pieces of that batch's trace, holding the real tensors.
-        ``recompute``: each layer of a piece keeps only its inputs and recomputes its activations in backward."""
+        ``recompute`` (``lightning_pp.recompute.checkpoint_layers``) is given each piece's layers."""
         built: dict[int, list[StageModule]] = {}
 
         def make(train: bool, call: ModelCall) -> list[StageModule]:
             trace = self.trace(train, call)
             if id(trace) not in built:
                 pieces = {s: _adopt(trace.pieces[s], views[s], self._prefix, device) for s in views}
-                if recompute:
+                if recompute is not None:
                     for piece in pieces.values():
-                        checkpoint_layers(self._layers_of(piece))
+                        recompute(self._layers_of(piece))
                 built[id(trace)] = [_TracedStage(pieces[s], s, trace, self.skeleton) for s in views]
             return built[id(trace)]
 

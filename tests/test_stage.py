@@ -231,9 +231,11 @@ def test_activation_checkpointing_recomputes_once_under_a_split_backward():
         stage_backward_weight(layers.parameters(), groups)
         return [p.grad for p in layers.parameters()], x_grad, len(calls)
 
-    plain, recomputed = build(), build()
-    checkpoint_layers(recomputed)
+    plain, per_pass, once = build(), build(), build()
+    checkpoint_layers(per_pass)  # torch's checkpoint: what 1F1B and GPipe use
+    checkpoint_layers(once, once=True)
     grads, x_grad, n_plain = run(plain)
-    grads_ckpt, x_grad_ckpt, n_ckpt = run(recomputed)
-    assert n_ckpt == 2 * n_plain == 6  # torch's checkpoint: once per pass, 9
+    assert run(per_pass)[2] == 3 * n_plain == 9  # recomputed once per pass
+    grads_ckpt, x_grad_ckpt, n_ckpt = run(once)
+    assert n_ckpt == 2 * n_plain == 6
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_ckpt)) and torch.equal(x_grad, x_grad_ckpt)
