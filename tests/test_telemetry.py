@@ -53,8 +53,10 @@ def test_timeline_follows_the_schedule(tmp_path, schedule):
             a, b = max(a, reach), min(b, end)
             if b > a:
                 waited, reach = waited + b - a, b
-        # alone 1.5-3.1% is unaccounted; one step on this 2-vCPU VM under a neighbour's load reached 12.5%
-        assert abs(busy + waited - span) <= 0.15 * span, (stage, busy, waited, span)
+        # compute and waits never overlap (exact); what they leave unaccounted is the schedule's glue, 1.5-4.3% alone,
+        # plus any time the OS takes the core away: 12.5% and 16.6% seen on a 2-vCPU VM under a neighbour's load
+        assert busy + waited <= span * 1.001, (stage, busy, waited, span)
+        assert busy + waited >= 0.7 * span, (stage, busy, waited, span)
         print(f"{schedule} stage {stage}: unaccounted {1 - (busy + waited) / span:.1%} of the span")
     logged = [r for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
     assert logged and all(0 <= r["pipeline/bubble"] < 1 and r["pipeline/samples_per_s"] > 0 for r in logged)
