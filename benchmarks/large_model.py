@@ -5,9 +5,8 @@ stages, built eagerly and on meta, fresh and resumed from a sharded checkpoint.
     python benchmarks/large_model.py
 
 The model: the example GPT with 12 blocks of 1024 (151 M parameters, 604 MB), 1F1B, 2 steps of 4 x stages
-sequences of 8 tokens. glibc keeps (and fragments) freed allocations of 10-30 MB, which would show as RSS
-that no tensor holds: the runs fix its mmap threshold (MALLOC_MMAP_THRESHOLD_=65536) so that freed
-tensors leave the resident set. Writes benchmarks/results/large_model.json and prints a Markdown table.
+sequences of 8 tokens, no allocator variables set (the strategy fixes glibc's mmap threshold itself:
+lightning_pp.allocator). Writes benchmarks/results/large_model.json and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ HERE = Path(__file__).parent
 
 
 def main() -> None:
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "two_stages.ckpt"  # written by the fresh 2-stage meta run, resumed by every layout

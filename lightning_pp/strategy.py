@@ -15,7 +15,6 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _set_num_threads_if_needed,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
@@ -29,6 +28,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pp.allocator import prepare_process, return_freed_tensors
 from lightning_pp.checkpoint import (
     check_state_dict_type,
     gather_model_state,
@@ -218,9 +218,7 @@ class PipelineStrategy(ParallelStrategy):
         self.set_world_ranks()
         layout = self.layout  # checks pipeline_parallel_size before any collective
         super().setup_environment()
-        if self.root_device.type == "cpu":
-            # Lightning's launcher sets OMP_NUM_THREADS only after spawning the other ranks
-            _set_num_threads_if_needed(self.num_processes)
+        prepare_process(self.root_device, self.num_processes)
         reset_seed()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -282,6 +280,7 @@ class PipelineStrategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: Optional[bool] = None) -> Generator[None, None, None]:
         """``trainer.init_module()`` and ``configure_model``: parameters on meta unless ``empty_init=False``,
         which builds on the CPU (never the accelerator: the module is pruned before it is moved)."""
+        return_freed_tensors(self.root_device)
         building = empty_weights() if empty_init is not False else torch.device("cpu")
         with building, self.precision_plugin.tensor_init_context():
             yield
