@@ -77,8 +77,11 @@ class _Call:
             values: list[torch.Tensor] = []
 
             def keep(t: torch.Tensor) -> torch.Tensor:
+                # the recomputation's own graph must hold the detached value too: a node that saved its output
+                # would otherwise hold a tensor whose grad_fn is that node, a cycle through C++ that Python's
+                # collector cannot see, keeping the graph, the earlier layer's call and its values alive
                 values.append(t.detach() if t.requires_grad else t)
-                return t
+                return values[-1]
 
             with contextlib.ExitStack() as stack:
                 stack.enter_context(torch.random.fork_rng(devices=self.cuda))
