@@ -5,9 +5,15 @@ threshold to the size of any mapped block it frees (up to 32 MiB). The first fre
 checkpoint buffer or ``empty_weights`` stand-in lifts it past a layer's parameters, and from then
 on every parameter-sized tensor lives in the heap: freed ones stay resident, and new ones land
 on untouched pages beside them. Measured on ``benchmarks/large_model.py`` (4 stages, 577 MB on
-meta): 0.72-0.77 x the whole model per rank by default, 0.62 with the threshold fixed at 4 MiB.
+meta): 0.72-0.77 x the whole model per rank by default, 0.59 with the threshold fixed at 4 MiB.
 A lower threshold returns activations as well, but pays a page fault per activation on every
 step (1.5x the step time of ``benchmarks/overhead.py`` at 256 KiB, 1.12x at 512 KiB).
+
+Smaller tensors (activations, their gradients) stay in the heap, where a step's forwards leave
+5-10 MiB of free chunks on a rank of that model just when its backward allocates the weight
+gradients: returned before each backward where they are few beside the stage's weights (4-stage
+peak 0.594 -> 0.584 x the model), kept where activations dominate (returning 30-70 MiB per step costs
+``overhead.py`` 1.04-1.09x in page faults).
 """
 
 from __future__ import annotations
@@ -15,14 +21,19 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_pp.dtensors import local_tensor
+
 MMAP_THRESHOLD = 4 * 2**20
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 _fixed = False
+_libc: ctypes.CDLL | None = None  # set once the strategy manages glibc's allocator
 
 
 def prepare_process(device: torch.device, num_processes: int) -> None:
@@ -36,22 +47,53 @@ def prepare_process(device: torch.device, num_processes: int) -> None:
 def return_freed_tensors(device: torch.device) -> None:
     """On CPU, fix glibc's mmap threshold before the first tensor is freed (a build on meta frees a stand-in
     per parameter); once per process."""
-    global _fixed
+    global _fixed, _libc
     if _fixed or device.type != "cpu":
         return
     _fixed = True
-    if _fix_mmap_threshold(MMAP_THRESHOLD):
+    _libc = _fix_mmap_threshold(MMAP_THRESHOLD)
+    if _libc is not None:
         rank_zero_info(
-            f"PipelineStrategy: tensors of {MMAP_THRESHOLD // 2**20} MiB and more go back to the OS when freed"
-            " (glibc's mmap threshold fixed; set MALLOC_MMAP_THRESHOLD_ to choose another)."
+            f"PipelineStrategy: tensors of {MMAP_THRESHOLD // 2**20} MiB and more go back to the OS when freed, and"
+            " the heap's free pages before each backward (glibc's mmap threshold fixed; set MALLOC_MMAP_THRESHOLD_"
+            " to leave glibc's allocator as it is)."
         )
 
 
-def _fix_mmap_threshold(threshold: int) -> bool:
+def trim_before_backward(pipeline_stage: Any) -> None:
+    """Where the strategy manages glibc's allocator: before each backward pass of ``pipeline_stage`` (full, or
+    either half of a split backward), the heap's free pages go back to the OS when they are few beside the
+    stage's weights (a model larger than a device, where the gradients about to be allocated make the peak).
+    Where activations dominate the heap, returning it would cost a page fault per page at the next forward
+    (1.04-1.09x the step time of ``benchmarks/overhead.py``) for no lower peak: it stays."""
+    libc = _libc
+    if libc is None or not hasattr(libc, "mallinfo2"):  # glibc < 2.33
+        return
+    libc.mallinfo2.restype = _MallInfo2
+    weights = sum(local_tensor(p).numel() * p.element_size() for p in pipeline_stage.submod.parameters())
+    for name in ("backward_one_chunk", "backward_weight_one_chunk"):
+        setattr(pipeline_stage, name, _after_trim(libc, weights // 4, getattr(pipeline_stage, name)))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]  # fmt: skip
+
+
+def _after_trim(libc: ctypes.CDLL, most: int, method: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if 2**20 <= libc.mallinfo2().fordblks <= most:  # free bytes in the main heap (0.1 ms)
+            libc.malloc_trim(0)
+        return method(*args, **kwargs)
+
+    return run
+
+
+def _fix_mmap_threshold(threshold: int) -> ctypes.CDLL | None:
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
-        return False
+        return None
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        return False
-    return bool(libc.mallopt(_M_MMAP_THRESHOLD, threshold))
+        return None
+    return libc if libc.mallopt(_M_MMAP_THRESHOLD, threshold) else None

@@ -22,6 +22,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten
 
+from lightning_pp.allocator import trim_before_backward
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.failure import failures_shared
 from lightning_pp.metrics import MetricTap
@@ -281,6 +282,7 @@ class PipelineRunner:
             ]
             schedule = build_schedule(self.schedule_name, stages, n_microbatches, self._last_stage_loss, train)
             for chunk, stage in enumerate(stages):
+                trim_before_backward(stage)
                 self.recorder.instrument(stage, schedule, chunk)
             self._schedules[key] = (schedule, wrappers)
             while len(self._schedules) > _MAX_CACHED_SHAPES:

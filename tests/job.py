@@ -136,11 +136,19 @@ class Usage(Callback):
         self.peak_growth = _proc("/proc/self/status", "VmHWM:") * 1024 - self.rss_before
 
 
-def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
-    """The test module, eagerly or (``build``) on meta: under ``trainer.init_module()`` or late, in
-    ``configure_model``; a one-process run gets the pipeline's initial weights from lightning_pp.materialize."""
-    how = cfg.get("build")
-    kwargs = dict(
+def page_in_kernels(cfg: dict[str, Any]) -> None:
+    """One step of a tiny copy of the module before memory is counted, so that the peak counts the rank's
+    memory and not torch's code: the first backward pages in ~15 MiB of libtorch_cpu.so, shared by every
+    process on the machine."""
+    tiny = MODELS[cfg.get("model", "tiny")](**{**_module_kwargs(cfg), "dim": 8, "n_layers": 1, "late": False})
+    tokens = torch.zeros(2, tiny.hparams.seq, dtype=torch.long)
+    tiny._loss({"tokens": tokens, "targets": tokens}).backward()
+    optimizer = tiny.configure_optimizers()
+    (optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer).step()
+
+
+def _module_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(
         n_layers=cfg.get("n_layers", 4),
         optimizer=cfg.get("optimizer", "adamw"),
         lr=cfg.get("lr", 1e-2),
@@ -148,8 +156,15 @@ def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
         plateau=cfg.get("monitor", False),
         metrics=cfg.get("metrics", False),
         **({"dim": cfg["dim"]} if "dim" in cfg else {}),
-        **({"late": True} if how == "configure_model" else {}),
+        **({"late": True} if cfg.get("build") == "configure_model" else {}),
     )
+
+
+def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
+    """The test module, eagerly or (``build``) on meta: under ``trainer.init_module()`` or late, in
+    ``configure_model``; a one-process run gets the pipeline's initial weights from lightning_pp.materialize."""
+    how = cfg.get("build")
+    kwargs = _module_kwargs(cfg)
     model_cls = MODELS[cfg.get("model", "tiny")]
     if how is None:
         return model_cls(**kwargs)
@@ -298,6 +313,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if trainer.global_rank == 0 and not any(p.is_meta for p in model.parameters()):
         torch.save(model.state_dict(), out / "initial.pt")
+    if cfg.get("page_in"):
+        page_in_kernels(cfg)
     usage = Usage()
     trainer.callbacks.append(usage)
     trainer.fit(model, train, val, ckpt_path=cfg.get("resume"))
