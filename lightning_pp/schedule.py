@@ -34,8 +34,10 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
+# PipeDream-2BW (lightning_pp.twobw): our stream over torch's PipelineStage, no flush between steps
+ASYNC = ("2bw",)
 # one stage per rank; the others take a list of stages
-SINGLE_STAGE = ("gpipe", "1f1b")
+SINGLE_STAGE = ("gpipe", "1f1b", *ASYNC)
 # two stages per rank placed as a V, (r, 2p-1-r): the last stage, and so the loss, sits on pipeline rank 0
 V_SHAPED = ("zbv", "dualpipev")
 # zero-bubble schedules compute weight gradients with autograd.grad, past DDP's hooks: DDP would not
@@ -48,6 +50,7 @@ _ALIASES = {
     "loopedbfs": "looped_bfs",
     "interleavedzerobubble": "interleaved_zb",
     "zbvzerobubble": "zbv",
+    "pipedream_2bw": "2bw",
 }
 
 
@@ -55,9 +58,11 @@ def normalize_schedule(name: str) -> str:
     """The canonical schedule name (torch's class and registry names work too); unknown names list the valid ones."""
     key = str(name).lower().replace("-", "_")
     key = _ALIASES.get(key, _ALIASES.get(key.replace("_", ""), key))
-    if key in SCHEDULES:
+    if key in SCHEDULES or key in ASYNC:
         return key
-    raise PipelineConfigError(f"Unknown schedule={name!r}; valid schedules are {list(SCHEDULES)} (case-insensitive).")
+    raise PipelineConfigError(
+        f"Unknown schedule={name!r}; valid schedules are {[*SCHEDULES, *ASYNC]} (case-insensitive)."
+    )
 
 
 def resolve_stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
@@ -128,7 +133,7 @@ def check_microbatches(schedule: str, n_microbatches: int, pp: int, n_stages: in
     m = n_microbatches
     if m < 1:
         raise PipelineConfigError(f"n_microbatches={m} must be a positive integer.")
-    if name == "1f1b" and m < n_stages:
+    if name in ("1f1b", *ASYNC) and m < n_stages:
         raise PipelineConfigError(
             f"schedule={schedule!r} needs n_microbatches >= stages, but n_microbatches={m} and there"
             f" are {n_stages} stages; use n_microbatches={n_stages} or more, or schedule='gpipe'."

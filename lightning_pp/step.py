@@ -248,7 +248,7 @@ class PipelineRunner:
                 if self._shared is not None:
                     self._shared.refresh()
                 if train:
-                    schedule.step(mb=sample_index, target=target, return_outputs=False)
+                    self._train(schedule, sample_index, target)
                     if self._shared is not None:
                         self._shared.sum_gradients()
                     if self._average_over is not None:
@@ -280,7 +280,7 @@ class PipelineRunner:
                 PipelineStage(self._replicated(w), index, self.n_stages, self.device, group=self.group)
                 for w, index in zip(wrappers, self.stage_indices)
             ]
-            schedule = build_schedule(self.schedule_name, stages, n_microbatches, self._last_stage_loss, train)
+            schedule = self._build(stages, n_microbatches, train)
             for chunk, stage in enumerate(stages):
                 trim_before_backward(stage)
                 self.recorder.instrument(stage, schedule, chunk)
@@ -289,6 +289,13 @@ class PipelineRunner:
                 self._schedules.popitem(last=False)
         self._schedules.move_to_end(key)
         return self._schedules[key]
+
+    def _build(self, stages: list[PipelineStage], n_microbatches: int, train: bool) -> _PipelineSchedule:
+        return build_schedule(self.schedule_name, stages, n_microbatches, self._last_stage_loss, train)
+
+    def _train(self, schedule: _PipelineSchedule, sample_index: torch.Tensor, target: torch.Tensor | None) -> None:
+        """The batch's forwards and backwards: the micro-batches' sample indices travel as ``mb``."""
+        schedule.step(mb=sample_index, target=target, return_outputs=False)
 
     def _replicated(self, wrapper: StageModule) -> nn.Module:
         """``wrapper`` under DDP when torch's stages average the replicas (one DDP per wrapper); an FSDP root

@@ -69,6 +69,8 @@ from lightning_pp.swap import fault_point, swapped_in
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
 from lightning_pp.traced import Tracer
+from lightning_pp.twobw import NAMES as TWO_BW
+from lightning_pp.twobw import check_2bw, check_optimizers, end_window, look_ahead, prepare_step, runner_for
 from lightning_pp.weighting import MicrobatchWeight, WindowWeights, weights_of
 
 
@@ -129,6 +131,7 @@ class PipelineStrategy(ParallelStrategy):
             check_balance_mode(balance)
         check_split(split)
         check_parallelism(data_parallel, fsdp_reshard, tensor_parallel_size, self.schedule, split)
+        check_2bw(self.schedule, data_parallel, tensor_parallel_size, split, activation_checkpointing)
         self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
         self.pipeline_parallel_size = pipeline_parallel_size
         self.layers = layers
@@ -268,6 +271,7 @@ class PipelineStrategy(ParallelStrategy):
                     " with ckpt_path= instead."
                 )
             self.setup_optimizers(trainer)
+            check_optimizers(self.schedule, self.optimizers)
         self.setup_precision_plugin()
         pipeline_precision(self.precision_plugin, self._groups.pp, self.root_device)
 
@@ -303,6 +307,7 @@ class PipelineStrategy(ParallelStrategy):
             scale = [loss_multiplier(self.precision_plugin) * share for share in shares]
         for p in params:
             p.grad = None
+        prepare_step(runner, trainer, self, args)  # 2BW: the next batch the step streams into
         try:
             with self.precision_plugin.train_step_context():
                 loss = self._pipelined("training_step", args, kwargs, True, scale, runner, weights)
@@ -322,8 +327,10 @@ class PipelineStrategy(ParallelStrategy):
             if grad is not None:
                 p.grad = grad if p.grad is None else p.grad + grad
         self._step_grads = []
-        if self.microbatch_weight is not None and not self.lightning_module.trainer.fit_loop._should_accumulate():
-            self._window.end_window(self.lightning_module.parameters())
+        if not self.lightning_module.trainer.fit_loop._should_accumulate():
+            end_window(self._runner)  # 2BW: the optimizer's step follows
+            if self.microbatch_weight is not None:
+                self._window.end_window(self.lightning_module.parameters())
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -426,7 +433,7 @@ class PipelineStrategy(ParallelStrategy):
         self._pending = None
         shared = share_parameters(local, views, self._placement, layout)
         count_once(self.precision_plugin, shared.counted_elsewhere)
-        self._runner = PipelineRunner(
+        self._runner = runner_for(self.schedule)(
             local,
             layout.stages,
             make_stages,
@@ -438,7 +445,7 @@ class PipelineStrategy(ParallelStrategy):
             self._groups.dp,
             label=layout.pp_rank,
             shared=shared,
-            overlap_replicas=self._tracer is None,
+            overlap_replicas=self._tracer is None and self.schedule not in TWO_BW,
             sharded=self.fsdp_reshard if self._holding.sharded else None,
         )
         # P2P on NCCL needs device tensors
@@ -452,7 +459,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         """Every stage must draw the same batches: a RandomSampler on the global RNG may not."""
-        return seeded_shuffle(dataloader) if self._replace_random_samplers else dataloader
+        loader = seeded_shuffle(dataloader) if self._replace_random_samplers else dataloader
+        return look_ahead(loader, self.schedule, self.lightning_module.trainer.training)
 
     @override
     def on_train_start(self) -> None:

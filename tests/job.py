@@ -95,6 +95,44 @@ class MemoryLogger(Logger):
         self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
 
 
+class TwoBWReference(Callback):
+    """PipeDream-2BW's semantics in one process: every batch of optimizer window n runs on W(n-1) (W(-1) = W(0));
+    at the window's end its gradients move to the live weights W(n), which become the next window's, and the
+    optimizer steps from them (clipping as Lightning clips). Validation sees the live weights."""
+
+    def __init__(self) -> None:
+        self.live: list[torch.Tensor] | None = None
+        self.stale: list[torch.Tensor] | None = None
+        self.holds_live = True
+
+    def _load(self, module: L.LightningModule, values: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for p, v in zip(module.parameters(), values):
+                p.copy_(v)
+
+    def _values(self, module: L.LightningModule) -> list[torch.Tensor]:
+        return [p.detach().clone() for p in module.parameters()]
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if self.holds_live:
+            self.live = self._values(pl_module)
+            self.stale = self.stale or self.live
+            self._load(pl_module, self.stale)
+            self.holds_live = False
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        self._load(pl_module, self.live)  # the gradients stay: W(n-1)'s, applied to W(n)
+        self.stale, self.holds_live = self.live, True
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not self.holds_live:
+            self._load(pl_module, self.live)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if not self.holds_live:
+            self._load(pl_module, self.stale)
+
+
 class Seen(Callback):
     """What ``trainer.callback_metrics`` holds on this rank after each batch and validation."""
 
@@ -274,6 +312,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()
     callbacks: list[Callback] = [seen, Pid(out, cfg.get("kill_rank"), cfg.get("kill_step", 2))]
+    if cfg.get("reference_2bw"):
+        callbacks.append(TwoBWReference())
     os.environ.update(cfg.get("env", {}))
     if cfg.get("monitor_pipeline"):
         callbacks.append(lightning_pp.PipelineMonitor(dirpath=out))

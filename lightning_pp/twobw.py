@@ -1,0 +1,295 @@
+"""PipeDream-2BW (Narayanan et al., ICML 2021): the asynchronous pipeline with two weight versions, no flush.
+
+Each stage runs one endless 1F1B stream: while batch k's backwards finish, the forwards of batch k+1's
+first micro-batches (its "heads", p-1-r of them on stage r) already run, so the bubble of a flushing
+1F1B disappears after the first batch. Exact semantics (issue 22): optimizer window n (its batches,
+every micro-batch, forward and backward) is computed on W(n-1), the weights before the previous step
+(W(-1) = W(0)); the step after window n computes W(n+1) from W(n) with window n's gradients: a delay of
+exactly one step on every stage.
+
+Versions are bound around each micro-batch's forward and backward with
+``torch.nn.utils.stateless._reparametrize_module``: gradients land on the version's tensors and move to
+the live parameters after each batch. Before each optimizer step the live parameters move to a copy, so
+the step writes W(n+1) beside W(n), which window n+1 (and the heads already in flight) keep using.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
+from torch.nn.utils.stateless import _reparametrize_module
+
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.microbatch import capture_model_call, split_batch
+from lightning_pp.schedule import build_schedule
+from lightning_pp.step import PipelineRunner
+
+NAMES = ("2bw",)  # normalised (lightning_pp.schedule.normalize_schedule)
+
+
+class WeightVersions:
+    """The weights each optimizer window runs on, for one stage module.
+
+    ``of(n)`` is window n's version: W(n-1), tensors that alias the live parameters' storage as it was
+    after n-1 steps. The live Parameters (what the optimizer updates and checkpoints hold) are W(steps).
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._live = dict(module.named_parameters())
+        self._versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.steps = 0  # optimizer steps taken in this fit
+
+    def of(self, window: int) -> dict[str, torch.Tensor]:
+        if window not in self._versions:
+            # first needed while the live parameters still are W(window - 1): by the heads of window's first batch
+            # during the window before, by window 0 at the start, or at the step that ends the window before
+            assert self.steps == max(window - 1, 0), (window, self.steps)
+            self._versions[window] = {
+                name: p.data.requires_grad_(p.requires_grad) for name, p in self._live.items()
+            }  # ``.data``: the same storage under its own version counter, a leaf the micro-batches' graphs keep
+        return self._versions[window]
+
+    @contextlib.contextmanager
+    def bound(self, module: nn.Module, window: int) -> Iterator[None]:
+        with _reparametrize_module(module, self.of(window), tie_weights=True):
+            yield
+
+    def collect(self, window: int) -> None:
+        """Window ``window``'s gradients of the batch that just finished, onto the live parameters."""
+        for name, tensor in self.of(window).items():
+            self._live[name].grad, tensor.grad = tensor.grad, None
+
+    def before_step(self) -> None:
+        """At the end of window n = ``steps``: its version is done; window n+1 keeps W(n), and the live
+        Parameters move to a copy that the optimizer then updates in place to W(n+1)."""
+        window = self.steps
+        self.of(window + 1)
+        self._versions.pop(window, None)
+        for p in self._live.values():
+            p.data = p.data.clone()
+        self.steps += 1
+
+
+class Schedule2BW(PipelineScheduleSingle):
+    """One stage's 2BW stream over torch's ``PipelineStage``, one Lightning step (batch) per ``iterate`` call.
+
+    The stream pairs F(j + w) with B(j), w = p - 1 - r: a batch's backwards all run in its step, together with
+    its remaining forwards and the next batch's first w forwards. Forwards of batch k+1 reuse micro-batch ids
+    0..w-1, free since batch k's backwards of those ids ran earlier in the step. The first forward of the next
+    step receives its input from the previous stage in this step (that stage sent it among its heads): the
+    receive is posted and waited before the step returns, so no other traffic (validation) runs in between.
+    """
+
+    def __init__(self, stage: Any, n_microbatches: int, loss_fn: Any, versions: WeightVersions) -> None:
+        super().__init__(stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.versions = versions
+        self._w = stage.num_stages - 1 - stage.stage_index
+        self._heads = 0  # forwards of the coming batch already run (its first micro-batches)
+        self._received = False  # the coming batch's first non-head forward input is here
+
+    def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Schedule2BW runs through iterate(), one batch at a time")
+
+    def drain(self) -> None:
+        """Forget heads left in flight by a stop nobody foresaw (fit interrupted): they are recomputed."""
+        self._stage.fwd_cache.clear()
+        self._heads, self._received = 0, False
+
+    def iterate(
+        self,
+        kwarg_mbs: list[dict[str, Any]],
+        target_mbs: list[Any] | None,
+        window: int,
+        next_kwarg_mbs: list[dict[str, Any]] | None,
+        next_window: int,
+    ) -> None:
+        """Batch k (``kwarg_mbs``, window ``window``): all its backwards; the next batch's heads if one follows."""
+        stage, m, w = self._stage, self._n_microbatches, self._w
+        stage.has_backward = True
+        self._initialize_stage((), kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None)
+        stage.output_chunks.clear()
+        self._internal_losses.clear()
+        stream = [(window, j, kwarg_mbs[j]) for j in range(m)]
+        if next_kwarg_mbs is not None:
+            stream += [(next_window, j, next_kwarg_mbs[j]) for j in range(min(w, m))]
+        done, sends = self._heads, []
+        for j in range(m):
+            while done < len(stream) and done <= j + w:
+                sends += self._forward(stream[done], target_mbs, received=done == self._heads and self._received)
+                done += 1
+            sends += self._backward(j, window)
+        self.versions.collect(window)
+        self._heads = done - m
+        self._received = False
+        if next_kwarg_mbs is not None and not stage.is_first and self._heads < m:
+            _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(self._heads), desc="fwd_recv"))
+            self._received = True
+        _wait_batch_p2p(sends)
+
+    def _forward(self, item: tuple, target_mbs: list[Any] | None, received: bool) -> list[dist.Work]:
+        window, mb, kwargs = item
+        stage = self._stage
+        if not received:
+            _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(mb), desc="fwd_recv"))
+        with self.versions.bound(stage.submod, window):
+            output = stage.forward_one_chunk(mb, (), kwargs, save_forward_output=False)
+        if stage.is_last:
+            self._maybe_compute_loss(stage, output, target_mbs, mb)
+        return _batch_p2p(stage.get_fwd_send_ops(mb), desc="fwd_send")
+
+    def _backward(self, mb: int, window: int) -> list[dist.Work]:
+        stage = self._stage
+        _wait_batch_p2p(_batch_p2p(stage.get_bwd_recv_ops(mb), desc="bwd_recv"))
+        with self.versions.bound(stage.submod, window):
+            stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), last_backward=False)
+        return _batch_p2p(stage.get_bwd_send_ops(mb), desc="bwd_send")
+
+
+class TwoBWRunner(PipelineRunner):
+    """The runner for ``schedule="2bw"``: training steps stream through ``Schedule2BW``; evaluation runs torch's
+    1F1B on the live weights (the stream's P2P is quiet between steps)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._next: tuple | None = None
+        self._window = (0, 0)
+        self._versions: WeightVersions | None = None
+
+    def look_ahead(self, next_args: tuple | None, window: int, next_window: int) -> None:
+        """What the coming training step streams into: the next batch's step arguments (None: drain), and the
+        optimizer windows of this batch and the next."""
+        self._next, self._window = next_args, (window, next_window)
+
+    def end_window(self) -> None:
+        if self._versions is not None:
+            self._versions.before_step()
+
+    @property
+    def optimizer_steps(self) -> int:
+        return 0 if self._versions is None else self._versions.steps
+
+    def _build(self, stages: list[Any], n_microbatches: int, train: bool) -> Any:
+        if not train:  # evaluation: a flushing 1F1B on the live weights
+            return build_schedule("1f1b", stages, n_microbatches, self._last_stage_loss, train)
+        (stage,) = stages
+        if self._versions is None:  # every batch signature's stage holds the same parameters: one set of versions
+            self._versions = WeightVersions(stage.submod)
+        return Schedule2BW(stage, n_microbatches, self._last_stage_loss, self._versions)
+
+    def _train(self, schedule: Any, sample_index: torch.Tensor, target: torch.Tensor | None) -> None:
+        rows, m = len(sample_index), schedule._n_microbatches
+        chunks = [{"mb": part} for part in sample_index.chunk(m)]
+        following = None
+        if self._next is not None:  # the next batch's calls follow this batch's in the stages' input lists
+            step = self._step
+            batch, rest = self._next[0], tuple(self._next[1:])
+            calls = [
+                capture_model_call(self.module, self._entries, step, (mb, *rest), self._step_kwargs, "training_step")
+                for mb in split_batch(batch, m)
+            ]
+            for wrapper in self._wrappers:
+                wrapper.inputs = list(wrapper.inputs) + calls
+            following = [{"mb": chunk["mb"] + rows} for chunk in chunks]
+        targets = [chunk["mb"] for chunk in chunks] if self.is_last else None
+        window, next_window = self._window
+        schedule.iterate(chunks, targets, window, following, next_window)
+
+
+class LookAhead:
+    """The train loader one item ahead: a 2BW step forwards the first micro-batches of the next batch.
+
+    Lightning's fetcher does not read ahead of a sized loader, and a step cannot lag one batch behind (Lightning
+    refuses a ``training_step`` that returns None under distributed training), so the strategy peeks here.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.following: Any = _END
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        items = iter(self.loader)
+        self.following = next(items, _END)
+        while self.following is not _END:
+            item, self.following = self.following, next(items, _END)
+            yield item
+
+
+_END = object()
+
+
+def check_2bw(schedule: str, data_parallel: str, tensor_parallel_size: int, split: str, recompute: bool) -> None:
+    """Combinations 2BW does not run yet, refused on every rank when the strategy is built."""
+    if schedule not in NAMES:
+        return
+    unsupported = {
+        "data_parallel='fsdp'": data_parallel == "fsdp",
+        f"tensor_parallel_size={tensor_parallel_size}": int(tensor_parallel_size) > 1,
+        "split='trace'": split == "trace",
+        "activation_checkpointing=True": bool(recompute),
+    }
+    for what, given in unsupported.items():
+        if given:
+            raise PipelineConfigError(
+                f"schedule='2bw' with {what} is not supported yet: the weight versions are bound on the user's own"
+                " modules, one copy per replica. Use schedule='1f1b' with it, or 2BW without it."
+            )
+
+
+def check_optimizers(schedule: str, optimizers: list[Any]) -> None:
+    if schedule in NAMES and len(optimizers) != 1:
+        raise PipelineConfigError(
+            f"schedule='2bw' keeps one weight version per optimizer step, but configure_optimizers returned"
+            f" {len(optimizers)} optimizers; return one (with parameter groups for different settings)."
+        )
+
+
+def look_ahead(loader: Any, schedule: str, training: bool) -> Any:
+    return LookAhead(loader) if schedule in NAMES and training else loader
+
+
+def prepare_step(runner: PipelineRunner, trainer: Any, strategy: Any, args: tuple) -> None:
+    """Before a 2BW training step: the next batch of the epoch (transferred as Lightning transfers a batch), if the
+    stream goes on past this one, and the optimizer windows of both."""
+    if not isinstance(runner, TwoBWRunner):
+        return
+    batch_idx = int(args[1])
+    window_end = not trainer.fit_loop._should_accumulate()
+    steps = runner.optimizer_steps
+    following = next((loader.following for loader in _loaders(trainer) if isinstance(loader, LookAhead)), _END)
+    last_step = trainer.max_steps >= 0 and trainer.global_step + int(window_end) >= trainer.max_steps
+    if following is _END or batch_idx + 1 >= trainer.num_training_batches or last_step:
+        runner.look_ahead(None, steps, steps)
+        return
+    batch = trainer.precision_plugin.convert_input(following)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    batch = strategy.batch_to_device(batch, dataloader_idx=0)
+    runner.look_ahead((batch, batch_idx + 1, *args[2:]), steps, steps + int(window_end))
+
+
+def _loaders(trainer: Any) -> list[Any]:
+    combined = trainer.fit_loop._combined_loader
+    return [] if combined is None else list(combined.flattened)
+
+
+def runner_for(schedule: str) -> type[PipelineRunner]:
+    return TwoBWRunner if schedule in NAMES else PipelineRunner
+
+
+def end_window(runner: PipelineRunner | None) -> None:
+    """At an optimizer window's end, before the optimizer steps (2BW: the versions rotate)."""
+    if isinstance(runner, TwoBWRunner):
+        runner.end_window()
