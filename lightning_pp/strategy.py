@@ -70,7 +70,15 @@ from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
 from lightning_pp.traced import Tracer
 from lightning_pp.twobw import NAMES as TWO_BW
-from lightning_pp.twobw import check_2bw, check_optimizers, end_window, look_ahead, prepare_step, runner_for
+from lightning_pp.twobw import (
+    check_2bw,
+    check_optimizers,
+    end_window,
+    look_ahead,
+    prepare_step,
+    runner_for,
+    stash_older,
+)
 from lightning_pp.weighting import MicrobatchWeight, WindowWeights, weights_of
 
 
@@ -536,6 +544,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         writer, sharded = self.layout.writes_full_checkpoint, self.state_dict_type == "sharded"
+        stash_older(self._runner, optimizer)  # 2BW: the older weight version travels with the optimizer state
         return self._holding.optimizer_state(
             optimizer, self.optimizers, self.lightning_module, sharded, writer, self._groups.pp
         )

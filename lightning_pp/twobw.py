@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
 from torch.nn.utils.stateless import _reparametrize_module
@@ -31,6 +32,7 @@ from lightning_pp.schedule import build_schedule
 from lightning_pp.step import PipelineRunner
 
 NAMES = ("2bw",)  # normalised (lightning_pp.schedule.normalize_schedule)
+OLDER = "pipedream_2bw_older_weights"  # the key in a parameter's optimizer state
 
 
 class WeightVersions:
@@ -40,10 +42,19 @@ class WeightVersions:
     after n-1 steps. The live Parameters (what the optimizer updates and checkpoints hold) are W(steps).
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, older: dict[int, torch.Tensor]) -> None:
         self._live = dict(module.named_parameters())
         self._versions: dict[int, dict[str, torch.Tensor]] = {}
         self.steps = 0  # optimizer steps taken in this fit
+        if older:  # resumed: the first window runs on the version before the checkpoint's step
+            self._versions[0] = {
+                name: older[id(p)].detach().requires_grad_(p.requires_grad) for name, p in self._live.items()
+            }
+
+    def next_window_weights(self) -> dict[int, torch.Tensor]:
+        """By parameter identity: what the coming window runs on (saved beside the live weights)."""
+        version = self.of(self.steps)
+        return {id(p): version[name].detach() for name, p in self._live.items()}
 
     def of(self, window: int) -> dict[str, torch.Tensor]:
         if window not in self._versions:
@@ -160,11 +171,34 @@ class TwoBWRunner(PipelineRunner):
         self._next: tuple | None = None
         self._window = (0, 0)
         self._versions: WeightVersions | None = None
+        self._older: dict[int, torch.Tensor] = {}  # read from a checkpoint, for the first window
 
     def look_ahead(self, next_args: tuple | None, window: int, next_window: int) -> None:
         """What the coming training step streams into: the next batch's step arguments (None: drain), and the
         optimizer windows of this batch and the next."""
         self._next, self._window = next_args, (window, next_window)
+
+    def stash_older(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before the optimizer state is saved: the coming window's weights join each parameter's state, so every
+        checkpoint format and layout carries them by parameter name (popped again at the next step)."""
+        if self._versions is None:
+            return
+        for param_id, tensor in self._versions.next_window_weights().items():
+            optimizer.state[self._params[param_id]][OLDER] = tensor
+
+    def adopt_older(self, optimizer: torch.optim.Optimizer, resumed: bool) -> None:
+        """At each step: take stashed weights out of the optimizer state; at the first, after a resume, they are
+        the first window's weights (a checkpoint written by another schedule has none: the live weights)."""
+        found = {id(p): state.pop(OLDER) for p, state in optimizer.state.items() if OLDER in state}
+        if self._versions is not None:
+            return
+        self._params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+        self._older = found
+        if resumed and not found:
+            rank_zero_info(
+                "schedule='2bw': the checkpoint holds no older weight version (written by another schedule); the"
+                " first window runs on the live weights, as at the start of training."
+            )
 
     def end_window(self) -> None:
         if self._versions is not None:
@@ -179,7 +213,8 @@ class TwoBWRunner(PipelineRunner):
             return build_schedule("1f1b", stages, n_microbatches, self._last_stage_loss, train)
         (stage,) = stages
         if self._versions is None:  # every batch signature's stage holds the same parameters: one set of versions
-            self._versions = WeightVersions(stage.submod)
+            self._versions = WeightVersions(stage.submod, self._older)
+            self._older = {}
         return Schedule2BW(stage, n_microbatches, self._last_stage_loss, self._versions)
 
     def _train(self, schedule: Any, sample_index: torch.Tensor, target: torch.Tensor | None) -> None:
@@ -266,6 +301,7 @@ def prepare_step(runner: PipelineRunner, trainer: Any, strategy: Any, args: tupl
     stream goes on past this one, and the optimizer windows of both."""
     if not isinstance(runner, TwoBWRunner):
         return
+    runner.adopt_older(strategy.optimizers[0], trainer.ckpt_path is not None)
     batch_idx = int(args[1])
     window_end = not trainer.fit_loop._should_accumulate()
     steps = runner.optimizer_steps
@@ -293,3 +329,8 @@ def end_window(runner: PipelineRunner | None) -> None:
     """At an optimizer window's end, before the optimizer steps (2BW: the versions rotate)."""
     if isinstance(runner, TwoBWRunner):
         runner.end_window()
+
+
+def stash_older(runner: PipelineRunner | None, optimizer: torch.optim.Optimizer) -> None:
+    if isinstance(runner, TwoBWRunner):
+        runner.stash_older(optimizer)

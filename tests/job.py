@@ -124,6 +124,12 @@ class TwoBWReference(Callback):
         self._load(pl_module, self.live)  # the gradients stay: W(n-1)'s, applied to W(n)
         self.stale, self.holds_live = self.live, True
 
+    def state_dict(self) -> dict[str, Any]:
+        return {"stale": self.stale} if self.holds_live else {"stale": self.stale, "live": self.live}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.stale = state_dict["stale"]
+
     def on_validation_start(self, trainer, pl_module) -> None:
         if not self.holds_live:
             self._load(pl_module, self.live)
