@@ -12,6 +12,7 @@ from models import TinyGPT
 from lightning_pp import PipelineConfigError, PipelineStrategy
 from lightning_pp.mesh import make_layout
 from lightning_pp.planning import check_module, check_training_setup
+from lightning_pp.twobw import check_optimizers
 
 
 @pytest.mark.parametrize(
@@ -33,6 +34,10 @@ from lightning_pp.planning import check_module, check_training_setup
         ),
         (dict(split="trace", tensor_parallel_size=2), PipelineConfigError, r"split='trace' with tensor_parallel_size"),
         (dict(tensor_parallel_size=0), PipelineConfigError, r"tensor_parallel_size=0 must be a positive integer"),
+        (dict(schedule="2bw", stages_per_rank=2), PipelineConfigError, r"one stage per rank, but stages_per_rank=2"),
+        (dict(schedule="pipedream_2bw", data_parallel="fsdp"), PipelineConfigError, r"'2bw' with data_parallel='fsdp'"),
+        (dict(schedule="2bw", split="trace"), PipelineConfigError, r"schedule='2bw' with split='trace' is not"),
+        (dict(schedule="2bw", activation_checkpointing=True), PipelineConfigError, r"with activation_checkpointing"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs, error, match):
@@ -54,6 +59,10 @@ def test_checks_before_the_first_batch():
         check_training_setup(model, "1f1b", 2, make_layout(4, 4, 0))
     with pytest.raises(PipelineConfigError, match=r"n_microbatches=3 and there are 4 stages"):
         check_training_setup(model, "dualpipev", 3, make_layout(2, 2, 0, "dualpipev", 2))
+    with pytest.raises(PipelineConfigError, match=r"schedule='2bw' needs n_microbatches >= stages"):
+        check_training_setup(model, "2bw", 3, make_layout(4, 4, 0))
+    with pytest.raises(PipelineConfigError, match=r"returned 2 optimizers; return one"):
+        check_optimizers("2bw", [object(), object()])
     model.automatic_optimization = False
     with pytest.raises(PipelineConfigError, match=r"manual optimization"):
         check_training_setup(model, "1f1b", 4, make_layout(2, 2, 0))
