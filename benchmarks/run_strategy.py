@@ -4,7 +4,7 @@
 
 OPTIONS_JSON may set ``balance``, ``vocab`` (a heavier head), ``activation_checkpointing`` and ``monitor``
 (PipelineMonitor on: the measured bubble of each step is written too). Writes the wall times between consecutive
-training-batch ends on rank 0 to the JSON file OUT.
+training-batch ends on rank 0 to the JSON file OUT, and every rank's peak resident memory growth during ``fit``.
 """
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ import sys
 import time
 
 import lightning as L
+import torch
 from common import MODEL, batches, pipeline_trainer
 from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineMonitor
 from lightning_pp.examples.gpt import GPT
+
+
+def _kib(key: str) -> int:
+    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
 
 
 class BatchEnds(L.Callback):
@@ -44,8 +49,12 @@ if __name__ == "__main__":
     trainer = pipeline_trainer(
         schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute
     )
+    open("/proc/self/clear_refs", "w").write("5")  # the peak from here
+    before = _kib("VmRSS:")
     trainer.fit(GPT(**model), loader)
+    peaks: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(peaks, (_kib("VmHWM:") - before) / 1024)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             split = list(trainer.strategy.placement.counts)
-            json.dump({"ends": ends.ends, "bubbles": ends.bubbles, "layers_per_stage": split}, f)
+            json.dump({"ends": ends.ends, "bubbles": ends.bubbles, "layers_per_stage": split, "peak_mib": peaks}, f)

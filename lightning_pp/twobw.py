@@ -103,14 +103,10 @@ class Schedule2BW(PipelineScheduleSingle):
         self._w = stage.num_stages - 1 - stage.stage_index
         self._heads = 0  # forwards of the coming batch already run (its first micro-batches)
         self._received = False  # the coming batch's first non-head forward input is here
+        self._held: Any = None  # last stage: the coming batch's first output, its loss not computed yet
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("Schedule2BW runs through iterate(), one batch at a time")
-
-    def drain(self) -> None:
-        """Forget heads left in flight by a stop nobody foresaw (fit interrupted): they are recomputed."""
-        self._stage.fwd_cache.clear()
-        self._heads, self._received = 0, False
 
     def iterate(
         self,
@@ -126,6 +122,10 @@ class Schedule2BW(PipelineScheduleSingle):
         self._initialize_stage((), kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None)
         stage.output_chunks.clear()
         self._internal_losses.clear()
+        if self._held is not None:  # the user's step on it belongs to this batch's step
+            output, stage.submod.outputs[0] = self._held
+            self._maybe_compute_loss(stage, output, target_mbs, 0)
+            self._held = None
         stream = [(window, j, kwarg_mbs[j]) for j in range(m)]
         if next_kwarg_mbs is not None:
             stream += [(next_window, j, next_kwarg_mbs[j]) for j in range(min(w, m))]
@@ -141,7 +141,18 @@ class Schedule2BW(PipelineScheduleSingle):
         if next_kwarg_mbs is not None and not stage.is_first and self._heads < m:
             _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(self._heads), desc="fwd_recv"))
             self._received = True
+            if stage.is_last:  # it would idle until the first stage's last backward: forward the next batch's first
+                self._hold(next_kwarg_mbs[0], next_window, m)
         _wait_batch_p2p(sends)
+
+    def _hold(self, kwargs: dict[str, Any], window: int, m: int) -> None:
+        """The last stage's forward of the next batch's first micro-batch, at the end of this step: its output
+        waits, as the user's step would see it, for the loss at the next step."""
+        stage = self._stage
+        with self.versions.bound(stage.submod, window):
+            output = stage.forward_one_chunk(0, (), kwargs, save_forward_output=False)
+        self._held = (output, stage.submod.outputs.pop(m))  # kept under the next batch's index (m + 0)
+        self._heads, self._received = 1, False
 
     def _forward(self, item: tuple, target_mbs: list[Any] | None, received: bool) -> list[dist.Work]:
         window, mb, kwargs = item
