@@ -37,6 +37,7 @@ from lightning_pp.checkpoint import (
 )
 from lightning_pp.dtensors import has_dtensors
 from lightning_pp.exit import close_process_groups_at_exit
+from lightning_pp.grads import StepGradients, add_gradients, step_gradients, window_starts
 from lightning_pp.holding import Holding
 from lightning_pp.launch import PipelineLauncher
 from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights
@@ -69,7 +70,6 @@ from lightning_pp.swap import fault_point, swapped_in
 from lightning_pp.telemetry import Event
 from lightning_pp.tied import share_parameters
 from lightning_pp.traced import Tracer
-from lightning_pp.twobw import NAMES as TWO_BW
 from lightning_pp.twobw import (
     check_2bw,
     check_optimizers,
@@ -165,7 +165,7 @@ class PipelineStrategy(ParallelStrategy):
         self._relay: Optional[ReportRelay] = None
         split = self.schedule in SPLIT_BACKWARD
         self._holding = Holding(layers, activation_checkpointing, split, fsdp_reshard=fsdp_reshard, init_fn=init_fn)
-        self._step_grads: list[tuple[torch.nn.Parameter, Optional[Tensor]]] = []
+        self._step_grads: StepGradients = []
         self._pending: Optional[PendingRestore] = None
         self._replace_random_samplers = False
         self._groups = Groups(pp=None, dp=None)
@@ -304,36 +304,22 @@ class PipelineStrategy(ParallelStrategy):
         m, accumulate = self.microbatches_for(batch_size_of(args[0])), trainer.accumulate_grad_batches
         runner = self._prepare("training_step", args, kwargs)  # the stages' Parameters (sharded, real) exist from here
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
-        # the first batch of an accumulation window: Lightning zeroes the earlier gradients before backward, so
-        # they are released now rather than held beside this step's (``on_before_zero_grad`` sees none)
-        released = len(args) > 1 and isinstance(args[1], int) and args[1] % trainer.accumulate_grad_batches == 0
-        earlier = [None if released else p.grad for p in params]
+        released = window_starts(args, accumulate)
         scale: Union[float, list[float]] = loss_multiplier(self.precision_plugin) / (m * accumulate)
         weights = self._weights_of(args[0], m)
         if weights is not None:  # sum(w_i loss_i) / sum(w_i) over every replica's batch and the window
             shares = self._window.loss_scales(weights, released, self._groups.dp, self.layout.dp)
             scale = [loss_multiplier(self.precision_plugin) * share for share in shares]
-        for p in params:
-            p.grad = None
         prepare_step(runner, trainer, self, args)  # 2BW: the next batch the step streams into
-        try:
-            with self.precision_plugin.train_step_context():
-                loss = self._pipelined("training_step", args, kwargs, True, scale, runner, weights)
-            # Lightning zeroes gradients between training_step and backward: keep this step's aside
-            self._step_grads = [(p, p.grad) for p in params]
-        finally:
-            for p, g in zip(params, earlier):
-                p.grad = g
-        return loss
+        with step_gradients(params, released) as self._step_grads, self.precision_plugin.train_step_context():
+            return self._pipelined("training_step", args, kwargs, True, scale, runner, weights)
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         """The schedule already ran backward inside ``training_step``: add its gradients, run the hooks."""
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        for p, grad in self._step_grads:
-            if grad is not None:
-                p.grad = grad if p.grad is None else p.grad + grad
+        add_gradients(self._step_grads)
         self._step_grads = []
         if not self.lightning_module.trainer.fit_loop._should_accumulate():
             end_window(self._runner)  # 2BW: the optimizer's step follows
@@ -417,8 +403,7 @@ class PipelineStrategy(ParallelStrategy):
         return self.n_microbatches or default_microbatches(batch_size, self.schedule, self.layout.pp, self.n_stages)
 
     def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
-        """At the first batch: learn the module's structure, then hold, materialise, shard and restore this rank's
-        stages."""
+        """At the first batch: learn the module's structure; hold, materialise, shard and restore this rank's stages."""
         if self._runner is not None:
             return self._runner
         module, layout = self.lightning_module, self.layout
@@ -453,14 +438,12 @@ class PipelineStrategy(ParallelStrategy):
             self._groups.dp,
             label=layout.pp_rank,
             shared=shared,
-            overlap_replicas=self._tracer is None and self.schedule not in TWO_BW,
+            overlap_replicas=self._tracer is None,
             sharded=self.fsdp_reshard if self._holding.sharded else None,
         )
-        # P2P on NCCL needs device tensors
-        device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
-        self._relay = ReportRelay(
-            layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, device
-        )
+        device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")  # NCCL P2P
+        ranks = layout.pipeline_ranks(layout.replica)
+        self._relay = ReportRelay(layout.last_stage_rank, ranks, self._groups.pp, device)
         return self._runner
 
     # ------------------------------------------------------------------ data

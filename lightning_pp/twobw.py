@@ -104,6 +104,13 @@ class Schedule2BW(PipelineScheduleSingle):
         self._heads = 0  # forwards of the coming batch already run (its first micro-batches)
         self._received = False  # the coming batch's first non-head forward input is here
         self._held: Any = None  # last stage: the coming batch's first output, its loss not computed yet
+        self._binding = contextlib.ExitStack()
+        self._bound: int | None = None  # the window whose weights the stage module runs on now
+
+    @property
+    def heads(self) -> int:
+        """How many of the next batch's micro-batches a step forwards here (the last stage: its first, held)."""
+        return min(self._n_microbatches, self._w or 1)
 
     def _step_microbatches(self, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("Schedule2BW runs through iterate(), one batch at a time")
@@ -130,11 +137,14 @@ class Schedule2BW(PipelineScheduleSingle):
         if next_kwarg_mbs is not None:
             stream += [(next_window, j, next_kwarg_mbs[j]) for j in range(min(w, m))]
         done, sends = self._heads, []
-        for j in range(m):
-            while done < len(stream) and done <= j + w:
-                sends += self._forward(stream[done], target_mbs, received=done == self._heads and self._received)
-                done += 1
-            sends += self._backward(j, window)
+        try:
+            for j in range(m):
+                while done < len(stream) and done <= j + w:
+                    sends += self._forward(stream[done], target_mbs, received=done == self._heads and self._received)
+                    done += 1
+                sends += self._backward(j)
+        finally:
+            self._bind(None)
         self.versions.collect(window)
         self._heads = done - m
         self._received = False
@@ -159,18 +169,27 @@ class Schedule2BW(PipelineScheduleSingle):
         stage = self._stage
         if not received:
             _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(mb), desc="fwd_recv"))
-        with self.versions.bound(stage.submod, window):
-            output = stage.forward_one_chunk(mb, (), kwargs, save_forward_output=False)
+        self._bind(window)
+        output = stage.forward_one_chunk(mb, (), kwargs, save_forward_output=False)
         if stage.is_last:
             self._maybe_compute_loss(stage, output, target_mbs, mb)
         return _batch_p2p(stage.get_fwd_send_ops(mb), desc="fwd_send")
 
-    def _backward(self, mb: int, window: int) -> list[dist.Work]:
+    def _backward(self, mb: int) -> list[dist.Work]:
+        """Autograd's graph holds the version the forward ran on: no binding (no recomputation under 2BW)."""
         stage = self._stage
         _wait_batch_p2p(_batch_p2p(stage.get_bwd_recv_ops(mb), desc="bwd_recv"))
-        with self.versions.bound(stage.submod, window):
-            stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), last_backward=False)
+        stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), last_backward=False)
         return _batch_p2p(stage.get_bwd_send_ops(mb), desc="bwd_send")
+
+    def _bind(self, window: int | None) -> None:
+        """Rebinding costs a swap per parameter: only where the window changes (at the next batch's heads)."""
+        if window == self._bound:
+            return
+        self._binding.close()
+        if window is not None:
+            self._binding.enter_context(self.versions.bound(self._stage.submod, window))
+        self._bound = window
 
 
 class TwoBWRunner(PipelineRunner):
@@ -178,7 +197,7 @@ class TwoBWRunner(PipelineRunner):
     1F1B on the live weights (the stream's P2P is quiet between steps)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{**kwargs, "overlap_replicas": False})  # replicas averaged after each batch
         self._next: tuple | None = None
         self._window = (0, 0)
         self._versions: WeightVersions | None = None
@@ -237,7 +256,7 @@ class TwoBWRunner(PipelineRunner):
             batch, rest = self._next[0], tuple(self._next[1:])
             calls = [
                 capture_model_call(self.module, self._entries, step, (mb, *rest), self._step_kwargs, "training_step")
-                for mb in split_batch(batch, m)
+                for mb in split_batch(batch, m)[: schedule.heads]
             ]
             for wrapper in self._wrappers:
                 wrapper.inputs = list(wrapper.inputs) + calls
