@@ -2,8 +2,9 @@
 
     run_strategy.py SCHEDULE M STEPS OUT [OPTIONS_JSON]
 
-OPTIONS_JSON may set ``balance``, ``vocab`` (a heavier head), ``activation_checkpointing`` and ``monitor``
-(PipelineMonitor on: the measured bubble of each step is written too). Writes the wall times between consecutive
+OPTIONS_JSON may set ``balance``, ``vocab`` (a heavier head), ``activation_checkpointing``, ``monitor``
+(PipelineMonitor on: the measured bubble of each step is written too) and ``timeline`` (a PNG path: the Gantt
+chart of two consecutive steps before the last). Writes the wall times between consecutive
 training-batch ends on rank 0 to the JSON file OUT, and every rank's peak resident memory growth during ``fit``.
 """
 
@@ -20,10 +21,32 @@ from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineMonitor
 from lightning_pp.examples.gpt import GPT
+from lightning_pp.telemetry import gantt_png
 
 
 def _kib(key: str) -> int:
     return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
+
+
+class LastTwoSteps(L.Callback):
+    """Every rank's timed events of the two training steps before the last (which drains a 2BW stream), drawn on
+    rank 0 at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.steps = path, []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        trainer.strategy.record_next_step = True
+
+    def on_train_batch_end(self, trainer, *args) -> None:
+        events: list = [None] * trainer.world_size
+        torch.distributed.all_gather_object(events, trainer.strategy.last_step_events)
+        self.steps = [*self.steps[-2:], [e for rank in events for e in rank]]
+
+    def on_fit_end(self, trainer, *args) -> None:
+        if trainer.is_global_zero:
+            title = f"{trainer.strategy.schedule}: two consecutive steps"
+            gantt_png([e for step in self.steps[:2] for e in step], self.path, title=title)
 
 
 class BatchEnds(L.Callback):
@@ -45,6 +68,8 @@ if __name__ == "__main__":
     loader = DataLoader(batches(steps, vocab=model["vocab"]), batch_size=None)
     ends = BatchEnds()
     callbacks = [PipelineMonitor(dirpath=options["monitor"]), ends] if options.get("monitor") else [ends]
+    if options.get("timeline"):
+        callbacks.append(LastTwoSteps(options["timeline"]))
     recompute = options.get("activation_checkpointing", False)
     trainer = pipeline_trainer(
         schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute

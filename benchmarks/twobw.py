@@ -6,7 +6,8 @@ The design card's GPT through ``Trainer(strategy=PipelineStrategy(schedule=...))
 each micro-batch count; each round runs every pair, in another order each round; medians over the rounds' steps
 after warm-up. 1F1B's bubble is (p-1)/(m+p-1) of a step, which 2BW fills with the next batch's forwards (the
 ceiling at p=2, m=8 is 9/8 of 1F1B's throughput). Memory: each rank's peak resident growth during ``fit``
-(2BW keeps a second copy of each stage's weights). Writes benchmarks/results/twobw.json.
+(2BW keeps a second copy of each stage's weights). Writes benchmarks/results/twobw.json and the timeline of two
+consecutive 2BW steps, benchmarks/results/schedule_2bw_two_steps.png.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main() -> None:
         rows.append({"schedule": name, "n_microbatches": m, "step_s": median_spread(steps[name, m]),
                      "throughput_over_1f1b": flushing / median,
                      "peak_mib_per_rank": [max(p[r] for p in peaks[name, m]) for r in range(2)]})  # fmt: skip
+    timeline = HERE / "results" / "schedule_2bw_two_steps.png"
+    launch("run_strategy.py", "2bw", 4, 6, extra=json.dumps({"timeline": str(timeline)}))
     result = {"benchmark": "twobw", "machine": machine(), "config": vars(args), "rows": rows}
     (HERE / "results" / "twobw.json").write_text(json.dumps(result, indent=1))
     print("| m | schedule | step (median, spread) | throughput / 1F1B | peak MiB rank 0, rank 1 |")

@@ -27,7 +27,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batc
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import capture_model_call, split_batch
+from lightning_pp.microbatch import capture_model_call, signature, split_batch
 from lightning_pp.schedule import build_schedule
 from lightning_pp.step import PipelineRunner
 
@@ -276,6 +276,7 @@ class LookAhead:
     def __init__(self, loader: Any) -> None:
         self.loader = loader
         self.following: Any = _END
+        self._served: Any = None  # a stateful loader's state after the items served so far, not the one peeked
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -283,12 +284,16 @@ class LookAhead:
     def __getattr__(self, name: str) -> Any:
         if name == "loader":
             raise AttributeError(name)
+        if name == "state_dict" and hasattr(self.loader, "state_dict"):  # Lightning saves it for mid-epoch resumes
+            return lambda: self._served if self._served is not None else self.loader.state_dict()
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
         items = iter(self.loader)
         self.following = next(items, _END)
+        stateful = hasattr(self.loader, "state_dict")
         while self.following is not _END:
+            self._served = self.loader.state_dict() if stateful else None
             item, self.following = self.following, next(items, _END)
             yield item
 
@@ -343,6 +348,11 @@ def prepare_step(runner: PipelineRunner, trainer: Any, strategy: Any, args: tupl
     batch = trainer.precision_plugin.convert_input(following)
     batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
     batch = strategy.batch_to_device(batch, dataloader_idx=0)
+    if signature(batch) != signature(
+        args[0]
+    ):  # a partial last batch: its stages have other shapes, a stream of its own
+        runner.look_ahead(None, steps, steps)
+        return
     runner.look_ahead((batch, batch_idx + 1, *args[2:]), steps, steps + int(window_end))
 
 

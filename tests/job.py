@@ -95,6 +95,30 @@ class MemoryLogger(Logger):
         self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
 
 
+class ResumableLoader:
+    """A train loader Lightning saves and restores mid-epoch (``state_dict``): a run resumed from a mid-epoch
+    checkpoint reads the batches the uninterrupted run read (a plain DataLoader restarts its epoch)."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        self.loader, self.start, self.served = loader, 0, 0
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        start, self.start, self.served = self.start, 0, self.start
+        for i, batch in enumerate(self.loader):
+            if i >= start:
+                self.served = i + 1
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"served": self.served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.start = state["served"]
+
+
 class TwoBWReference(Callback):
     """PipeDream-2BW's semantics in one process: every batch of optimizer window n runs on W(n-1) (W(-1) = W(0));
     at the window's end its gradients move to the live weights W(n), which become the next window's, and the
@@ -293,6 +317,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         rank, world = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))), cfg["devices"]
         sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=world, rank=rank, shuffle=False)
         train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
+    if cfg.get("resumable"):
+        train = ResumableLoader(train)
     if cfg["strategy"] == "single":
         strategy: Any = "auto"
         devices = 1
