@@ -7,10 +7,11 @@ every micro-batch, forward and backward) is computed on W(n-1), the weights befo
 (W(-1) = W(0)); the step after window n computes W(n+1) from W(n) with window n's gradients: a delay of
 exactly one step on every stage.
 
-Versions are bound around each micro-batch's forward and backward with
-``torch.nn.utils.stateless._reparametrize_module``: gradients land on the version's tensors and move to
-the live parameters after each batch. Before each optimizer step the live parameters move to a copy, so
-the step writes W(n+1) beside W(n), which window n+1 (and the heads already in flight) keep using.
+A version is bound to the stage module for its forwards with
+``torch.nn.utils.stateless._reparametrize_module`` (a backward needs none: autograd's graph holds the
+tensors its forward ran on); gradients land on the version's tensors and move to the live parameters
+after each batch. Before each optimizer step the live parameters move to a copy, so the step writes
+W(n+1) beside W(n), which window n+1 (and the heads already in flight) keep using.
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ class TwoBWRunner(PipelineRunner):
         self._window = (0, 0)
         self._versions: WeightVersions | None = None
         self._older: dict[int, torch.Tensor] = {}  # read from a checkpoint, for the first window
+        self._params: dict[int, nn.Parameter] = {}  # the optimizer's, by identity
 
     def look_ahead(self, next_args: tuple | None, window: int, next_window: int) -> None:
         """What the coming training step streams into: the next batch's step arguments (None: drain), and the
