@@ -69,3 +69,21 @@ def test_2bw_resumed_from_a_mid_epoch_checkpoint_continues_as_uninterrupted(stat
     if state_dict_type == "full":  # the live weights load into the plain module; the older version rides along
         ckpt = torch.load(first.out / "ckpts" / "step=6.ckpt", weights_only=False)
         assert all("pipedream_2bw_older_weights" in s for s in ckpt["optimizer_states"][0]["state"].values())
+
+
+def test_2bw_with_replicas_resumes_a_1f1b_checkpoint_on_the_live_weights(tmp_path, reference):
+    # one epoch of 1F1B, then 2BW on 2 replicas x 2 stages: the checkpoint holds no older version, so the first
+    # window runs on the live weights (said in the log), as the one-process semantics on the combined batch do
+    cfg = {**BASE, "optimizer": "sgd", "lr": 0.05}
+    first = ok(run_job({**cfg, "strategy": "pipeline", "devices": 2, "max_epochs": 1}, tmp_path / "first"))
+    resume = str(first.out / "final.ckpt")
+    ref = reference(**{**cfg, "batch": 16, "replicas_order": True}, max_epochs=2, resume=resume, reference_2bw=True)
+    job = ok(run_job({**cfg, "strategy": "pipeline", "schedule": "2bw", "devices": 4, "pp": 2, "max_epochs": 2,
+                      "resume": resume}, tmp_path / "replicas"))  # fmt: skip
+    assert job.output.count("holds no older weight version") == 1
+    state = job.state()
+    assert max((state[k] - v).abs().max().item() for k, v in ref["state"].items()) <= PARAM_TOL
+    # each replica logs its own batch's loss; their mean is the combined batch's
+    own = [[v for s, v in losses(job.rank(r)["logged"], "train_loss") if s >= 8] for r in (0, 2)]
+    expected = [v for s, v in losses(ref["logged"], "train_loss") if s >= 8]
+    assert len(expected) == 4 and max(abs((a + b) / 2 - c) for a, b, c in zip(*own, expected)) <= LOSS_TOL
