@@ -330,7 +330,18 @@ def check_optimizers(schedule: str, optimizers: list[Any]) -> None:
 
 
 def look_ahead(loader: Any, schedule: str, training: bool) -> Any:
-    return LookAhead(loader) if schedule in NAMES and training else loader
+    """2BW's train loader, one item ahead; refused without a length (Lightning's fetcher reads an unsized loader
+    one item ahead itself, so the item seen here would not be the next batch)."""
+    if schedule not in NAMES or not training:
+        return loader
+    try:
+        len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        raise PipelineConfigError(
+            f"schedule='2bw' needs a train loader with a length, got {type(loader).__name__} without one (an"
+            " IterableDataset?): use a map-style dataset, or give the IterableDataset a __len__."
+        ) from None
+    return LookAhead(loader)
 
 
 def prepare_step(runner: PipelineRunner, trainer: Any, strategy: Any, args: tuple) -> None:

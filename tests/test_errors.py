@@ -6,13 +6,19 @@ import os
 import time
 
 import pytest
+import torch
 from conftest import run_job
 from models import TinyGPT
 
 from lightning_pp import PipelineConfigError, PipelineStrategy
 from lightning_pp.mesh import make_layout
 from lightning_pp.planning import check_module, check_training_setup
-from lightning_pp.twobw import check_optimizers
+from lightning_pp.twobw import check_optimizers, look_ahead
+
+
+class _Unsized(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
 
 
 @pytest.mark.parametrize(
@@ -63,6 +69,10 @@ def test_checks_before_the_first_batch():
         check_training_setup(model, "2bw", 3, make_layout(4, 4, 0))
     with pytest.raises(PipelineConfigError, match=r"returned 2 optimizers; return one"):
         check_optimizers("2bw", [object(), object()])
+    unsized = torch.utils.data.DataLoader(_Unsized())
+    with pytest.raises(PipelineConfigError, match=r"'2bw' needs a train loader with a length, got DataLoader"):
+        look_ahead(unsized, "2bw", training=True)
+    assert look_ahead(unsized, "1f1b", training=True) is unsized
     model.automatic_optimization = False
     with pytest.raises(PipelineConfigError, match=r"manual optimization"):
         check_training_setup(model, "1f1b", 4, make_layout(2, 2, 0))
