@@ -17,11 +17,15 @@ from typing import Any
 
 from torch.distributed.pipelining import schedules
 
+COMPUTE = "FBIWL"
+
 
 @dataclass(frozen=True)
 class Event:
     stage: int  # the rank's position in the pipeline: its stage when it holds one
-    kind: str  # "F" forward, "B" backward, "L" loss (the user's step), "W" communicating (posting or waiting)
+    # "F" forward, "B" backward, "I" and "W" its input and weight halves (zero-bubble and V schedules), "L" loss
+    # (the user's step), "P" communicating (posting or waiting)
+    kind: str
     microbatch: int
     start: float
     end: float
@@ -41,11 +45,10 @@ class StepRecorder:
 
     def instrument(self, pipeline_stage: Any, schedule: Any, chunk: int = 0) -> None:
         """Time ``pipeline_stage``, the rank's ``chunk``-th stage, under ``schedule``."""
-        timed = {"forward_one_chunk": "F", "backward_one_chunk": "B",
-                 # zero-bubble schedules split backward: input gradients above, weight gradients here
-                 "backward_weight_one_chunk": "B"}  # fmt: skip
+        # zero-bubble schedules split backward: input gradients (full_backward=False), then weight gradients
+        timed = {"forward_one_chunk": "F", "backward_one_chunk": "B", "backward_weight_one_chunk": "W"}
         for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops", "get_bwd_send_ops"):
-            timed[name] = "W"
+            timed[name] = "P"
         for name, kind in timed.items():
             setattr(pipeline_stage, name, self._timed(kind, getattr(pipeline_stage, name), 0, chunk))
         if pipeline_stage.is_last:  # the loss, i.e. the user's step, runs outside the stage's forward
@@ -53,12 +56,15 @@ class StepRecorder:
 
     def _timed(self, kind: str, method: Callable[..., Any], mb_arg: int, chunk: int) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            if self.events is None:
+            # torch asks every forward whether it ends in a loss: only the last stage's calls compute one
+            if self.events is None or (kind == "L" and not args[0].is_last):
                 return method(*args, **kwargs)
+
             start = time.time()
             out = method(*args, **kwargs)
-            microbatch = int(args[mb_arg]) if kind != "W" else -1
-            self.events.append(Event(self.stage, kind, microbatch, start, time.time(), chunk))
+            microbatch = int(args[mb_arg]) if kind != "P" else -1
+            now = "I" if kind == "B" and kwargs.get("full_backward", True) is False else kind
+            self.events.append(Event(self.stage, now, microbatch, start, time.time(), chunk))
             return out
 
         return run
@@ -72,7 +78,7 @@ class StepRecorder:
             def run(*args: Any, **kwargs: Any) -> Any:
                 start = time.time()
                 out = function(*args, **kwargs)
-                events.append(Event(self.stage, "W", -1, start, time.time()))
+                events.append(Event(self.stage, "P", -1, start, time.time()))
                 return out
 
             return run
@@ -99,11 +105,11 @@ def summarize(events: list[Event]) -> list[StageSummary]:
     out = []
     for stage in sorted({e.stage for e in events}):
         mine = [e for e in events if e.stage == stage]
-        compute = [e for e in mine if e.kind in "FBL"]
+        compute = [e for e in mine if e.kind in COMPUTE]
         if not compute:
             continue
         start, end = min(e.start for e in compute), max(e.end for e in compute)
-        waits = _covered([(e.start, e.end) for e in mine if e.kind == "W"], start, end)
+        waits = _covered([(e.start, e.end) for e in mine if e.kind == "P"], start, end)
         out.append(StageSummary(stage, sum(e.seconds for e in compute), waits, end - start))
     return out
 
@@ -124,11 +130,11 @@ def chrome_trace(events: list[Event]) -> dict[str, Any]:
     if not events:
         return {"traceEvents": []}
     t0 = min(e.start for e in events)
-    names = {"F": "forward", "B": "backward", "L": "loss", "W": "wait"}
+    names = {"F": "forward", "B": "backward", "I": "input backward", "W": "weight backward", "L": "loss", "P": "wait"}
     return {
         "traceEvents": [
             {
-                "name": "wait" if e.kind == "W" else f"{e.kind}{e.microbatch}" + "'" * e.chunk,
+                "name": "wait" if e.kind == "P" else f"{e.kind}{e.microbatch}" + "'" * e.chunk,
                 "cat": names[e.kind],
                 "ph": "X",
                 "pid": 0,
@@ -151,12 +157,13 @@ def gantt_png(events: list[Event], path: Any, title: str = "") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    compute = [e for e in events if e.kind in "FBL"]
+    compute = [e for e in events if e.kind in COMPUTE]
     t0 = min(e.start for e in compute)
     rows = sorted({e.stage for e in compute})
     several = any(e.chunk for e in compute)
     fig, ax = plt.subplots(figsize=(8, 0.7 * len(rows) + 1.2))
-    colors = {"F": ("#4C72B0", "#8FAADC"), "B": ("#DD8452", "#F0B98D"), "L": ("#55A868", "#8FD19E")}
+    colors = {"F": ("#4C72B0", "#8FAADC"), "B": ("#DD8452", "#F0B98D"), "I": ("#DD8452", "#F0B98D"),
+              "W": ("#8172B3", "#B9AEDB"), "L": ("#55A868", "#8FD19E")}  # fmt: skip
     for e in compute:
         color = colors[e.kind][min(e.chunk, 1)]
         ax.barh(e.stage, e.seconds * 1e3, left=(e.start - t0) * 1e3, color=color, edgecolor="white")
@@ -165,7 +172,8 @@ def gantt_png(events: list[Event], path: Any, title: str = "") -> None:
     ax.set_yticks(rows, [f"rank {r}" if several else f"stage {r}" for r in rows])
     ax.invert_yaxis()
     ax.set_xlabel("ms since the step's first forward")
-    legend = "blue: forward, green: loss, orange: backward; numbers: micro-batch"
+    legend = "blue: forward, green: loss, orange: backward (or its input half), purple: its weight half"
+    legend += "; numbers: micro-batch"
     if several:
         legend += ", light and primed: the rank's second stage"
     ax.set_title(f"{title}\n({legend})".strip(), fontsize=9)
