@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _batch_p2p, _wait_batch_p2p
+from torch.distributed.pipelining import schedules as torch_schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lightning_pp.errors import PipelineConfigError
@@ -150,11 +151,11 @@ class Schedule2BW(PipelineScheduleSingle):
         self._heads = done - m
         self._received = False
         if next_kwarg_mbs is not None and not stage.is_first and self._heads < m:
-            _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(self._heads), desc="fwd_recv"))
+            _wait(_post(stage.get_fwd_recv_ops(self._heads), desc="fwd_recv"))
             self._received = True
             if stage.is_last:  # it would idle until the first stage's last backward: forward the next batch's first
                 self._hold(next_kwarg_mbs[0], next_window, m)
-        _wait_batch_p2p(sends)
+        _wait(sends)
 
     def _hold(self, kwargs: dict[str, Any], window: int, m: int) -> None:
         """The last stage's forward of the next batch's first micro-batch, at the end of this step: its output
@@ -169,19 +170,19 @@ class Schedule2BW(PipelineScheduleSingle):
         window, mb, kwargs = item
         stage = self._stage
         if not received:
-            _wait_batch_p2p(_batch_p2p(stage.get_fwd_recv_ops(mb), desc="fwd_recv"))
+            _wait(_post(stage.get_fwd_recv_ops(mb), desc="fwd_recv"))
         self._bind(window)
         output = stage.forward_one_chunk(mb, (), kwargs, save_forward_output=False)
         if stage.is_last:
             self._maybe_compute_loss(stage, output, target_mbs, mb)
-        return _batch_p2p(stage.get_fwd_send_ops(mb), desc="fwd_send")
+        return _post(stage.get_fwd_send_ops(mb), desc="fwd_send")
 
     def _backward(self, mb: int) -> list[dist.Work]:
         """Autograd's graph holds the version the forward ran on: no binding (no recomputation under 2BW)."""
         stage = self._stage
-        _wait_batch_p2p(_batch_p2p(stage.get_bwd_recv_ops(mb), desc="bwd_recv"))
+        _wait(_post(stage.get_bwd_recv_ops(mb), desc="bwd_recv"))
         stage.backward_one_chunk(mb, loss=self._maybe_get_loss(stage, mb), last_backward=False)
-        return _batch_p2p(stage.get_bwd_send_ops(mb), desc="bwd_send")
+        return _post(stage.get_bwd_send_ops(mb), desc="bwd_send")
 
     def _bind(self, window: int | None) -> None:
         """Rebinding costs a swap per parameter: only where the window changes (at the next batch's heads)."""
@@ -191,6 +192,14 @@ class Schedule2BW(PipelineScheduleSingle):
         if window is not None:
             self._binding.enter_context(self.versions.bound(self._stage.submod, window))
         self._bound = window
+
+
+def _post(ops: list[dist.P2POp], desc: str) -> list[dist.Work]:
+    return torch_schedules._batch_p2p(ops, desc=desc)  # looked up at each call: the telemetry times torch's
+
+
+def _wait(works: list[dist.Work]) -> None:
+    torch_schedules._wait_batch_p2p(works)
 
 
 class TwoBWRunner(PipelineRunner):

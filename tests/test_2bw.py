@@ -15,8 +15,10 @@ SCENARIOS = {
     # two epochs, validation mid-epoch (the next batch's heads are in flight while it runs)
     "2_stages_sgd_momentum_validation": dict(optimizer="sgd", lr=0.05, devices=2, max_epochs=2, val_check_interval=3),
     "4_stages_adamw_clipping": dict(optimizer="adamw", lr=0.005, devices=4, clip=0.05, max_epochs=1),
-    # and a partial last batch (60 samples), which starts a stream of its own
-    "2_stages_accumulation": dict(optimizer="sgd", lr=0.05, devices=2, accumulate=2, max_epochs=1, n_train=60),
+    # and a partial last batch (60 samples), which starts a stream of its own; PipelineMonitor on
+    "2_stages_accumulation": dict(
+        optimizer="sgd", lr=0.05, devices=2, accumulate=2, max_epochs=1, n_train=60, monitor_pipeline=True
+    ),
 }
 
 
@@ -44,6 +46,9 @@ def test_2bw_trains_as_its_one_process_semantics(name, tmp_path, reference):
     ref = reference(**cfg, reference_2bw=True)
     job = ok(run_job({**cfg, "strategy": "pipeline", "schedule": "2bw"}, tmp_path / "job", timeout=240))
     assert_follows(job, cfg["devices"], ref)
+    if cfg.get("monitor_pipeline"):  # PipelineMonitor times the stream as it times torch's schedules
+        bubbles = [r["pipeline/bubble"] for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
+        assert bubbles and all(0 < b < 1 for b in bubbles), bubbles
     if name == "2_stages_sgd_momentum_validation":  # the comparison can tell: plain 1F1B fails it
         flushing = ok(run_job({**cfg, "strategy": "pipeline", "schedule": "1f1b"}, tmp_path / "flushing"))
         with pytest.raises(AssertionError):
