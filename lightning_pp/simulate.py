@@ -48,7 +48,8 @@ class Simulation:
     step_s: float
     busy_s: list[float]  # per pipeline rank
     timeline: list[Event] = field(repr=False)
-    in_flight: list[dict[int, int]] = field(repr=False)  # per rank: stage -> most micro-batches held at once
+    # per rank: micro-batches whose activations each of its stages holds when the rank holds the most in all
+    in_flight: list[dict[int, int]] = field(repr=False)
 
     @property
     def bubble(self) -> list[float]:
@@ -148,13 +149,15 @@ def _input_ready(
 
 
 def _held(actions: list[Action]) -> dict[int, int]:
-    """Per stage: the most micro-batches whose activations are held at once (from F until B, or until W)."""
+    """Per stage, the micro-batches held (from F until B, or until W) at the moment the rank holds the most; with
+    equal activations per stage that moment is the rank's activation peak."""
     held: dict[int, int] = {}
-    peak: dict[int, int] = {}
+    peak: tuple[int, dict[int, int]] = (0, {})
     for a in actions:
         if a.kind == "F":
             held[a.stage] = held.get(a.stage, 0) + 1
-            peak[a.stage] = max(peak.get(a.stage, 0), held[a.stage])
         elif a.kind in "BW":
             held[a.stage] -= 1
-    return peak
+        if sum(held.values()) > peak[0]:
+            peak = (sum(held.values()), dict(held))
+    return peak[1]

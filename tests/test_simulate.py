@@ -56,12 +56,16 @@ def test_micro_batches_in_flight_come_from_the_runtime_order():
     pp, m = 4, 8
     assert simulate("gpipe", pp, m, uniform(pp, 1)).in_flight == [{s: m} for s in range(pp)]
     assert simulate("1f1b", pp, m, uniform(pp, 1)).in_flight == [{s: min(m, pp - s)} for s in range(pp)]
-    # torch's lists for every other schedule run without deadlock and hold every micro-batch once
-    for schedule in ("interleaved_1f1b", "interleaved_zb", "zbv", "dualpipev"):
+    # two stages per rank, in micro-batches of one stage at the rank's peak: interleaved 1F1B holds p + (p-1)/v
+    # rank-units on rank 0 (v = 2), looped BFS all m of both, the zero-bubble ones p on every rank, DualPipeV p + 1/2
+    peaks = {"interleaved_1f1b": [2 * pp + pp - 1], "looped_bfs": [2 * m] * pp, "interleaved_zb": [2 * pp] * pp,
+             "zbv": [2 * pp] * pp, "dualpipev": [2 * pp + 1] * pp}  # fmt: skip
+    for schedule, expected in peaks.items():
         lists = rank_actions(schedule, pp, m, 2)
         forwards = sorted((a.stage, a.microbatch) for actions in lists for a in actions if a.kind == "F")
-        assert forwards == [(s, i) for s in range(2 * pp) for i in range(m)], schedule
-        assert simulate(schedule, pp, m, uniform(pp, 2), 2).step_s > 0
+        assert forwards == [(s, i) for s in range(2 * pp) for i in range(m)], schedule  # each micro-batch once
+        held = simulate(schedule, pp, m, uniform(pp, 2), 2).in_flight
+        assert [sum(h.values()) for h in held][: len(expected)] == expected, (schedule, held)
 
 
 def test_the_timeline_is_the_telemetry_s_events():
