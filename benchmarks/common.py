@@ -44,6 +44,11 @@ def launch(script: str, *args: Any, extra: str | None = None, ranks: int | None 
         return json.loads(out.read_text())
 
 
+def proc_kib(key: str) -> int:
+    """A ``/proc/self/status`` field in KiB (``VmRSS:``, ``VmHWM:``)."""
+    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
+
+
 def step_times(ends: list[float]) -> list[float]:
     """Wall time between consecutive step ends after the warm-up."""
     return [b - a for a, b in zip(ends[WARMUP:], ends[WARMUP + 1 :])]

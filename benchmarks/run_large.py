@@ -12,7 +12,7 @@ import sys
 
 import torch
 import torch.distributed as dist
-from common import LARGE, pipeline_trainer
+from common import LARGE, pipeline_trainer, proc_kib
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
@@ -34,13 +34,9 @@ def _page_in_kernels(model_cfg: dict) -> None:
     tiny.configure_optimizers().step()
 
 
-def _kib(key: str) -> int:
-    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
-
-
 class Peak(Callback):
     def on_train_end(self, trainer, pl_module) -> None:
-        self.hwm = _kib("VmHWM:") * 1024
+        self.hwm = proc_kib("VmHWM:") * 1024
 
 
 if __name__ == "__main__":
@@ -52,7 +48,7 @@ if __name__ == "__main__":
     model_cfg = {k: LARGE[k] for k in ("vocab", "dim", "n_layers", "n_heads", "seq_len")}
     _page_in_kernels(model_cfg)
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here: before the model exists
-    before = _kib("VmRSS:") * 1024
+    before = proc_kib("VmRSS:") * 1024
     if build == "meta":
         with trainer.init_module(empty_init=True):
             model = SGDGPT(**model_cfg)

@@ -27,15 +27,12 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import proc_kib
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 from lightning_pp.dtensors import local_tensor
 from lightning_pp.examples.gpt import GPT
-
-
-def _kib(key: str) -> int:
-    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
 
 
 def _restart_peak() -> None:
@@ -48,14 +45,14 @@ class Usage(Callback):
 
     def start(self) -> None:
         _restart_peak()
-        self.rss_before = _kib("VmRSS:") * 1024
+        self.rss_before = proc_kib("VmRSS:") * 1024
         self.peak = self.rss_before
         self.step_peaks: list[int] = []  # growth over rss_before, per step (each step's own peak)
         self.step_rss: list[int] = []  # growth over rss_before at each step's end
         self.ends: list[float] = []
 
     def _fold(self) -> int:
-        hwm = _kib("VmHWM:") * 1024
+        hwm = proc_kib("VmHWM:") * 1024
         self.peak = max(self.peak, hwm)
         return hwm
 
@@ -66,7 +63,7 @@ class Usage(Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.ends.append(time.perf_counter())
         self.step_peaks.append(self._fold() - self.rss_before)
-        self.step_rss.append(_kib("VmRSS:") * 1024 - self.rss_before)
+        self.step_rss.append(proc_kib("VmRSS:") * 1024 - self.rss_before)
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._fold()

@@ -16,16 +16,12 @@ import time
 
 import lightning as L
 import torch
-from common import MODEL, batches, pipeline_trainer
+from common import MODEL, batches, pipeline_trainer, proc_kib
 from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineMonitor
 from lightning_pp.examples.gpt import GPT
 from lightning_pp.telemetry import gantt_png
-
-
-def _kib(key: str) -> int:
-    return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
 
 
 class LastTwoSteps(L.Callback):
@@ -75,10 +71,10 @@ if __name__ == "__main__":
         schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute
     )
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here
-    before = _kib("VmRSS:")
+    before = proc_kib("VmRSS:")
     trainer.fit(GPT(**model), loader)
     peaks: list = [None] * trainer.world_size
-    torch.distributed.all_gather_object(peaks, (_kib("VmHWM:") - before) / 1024)
+    torch.distributed.all_gather_object(peaks, (proc_kib("VmHWM:") - before) / 1024)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             split = list(trainer.strategy.placement.counts)

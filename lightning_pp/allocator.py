@@ -69,7 +69,6 @@ def trim_before_backward(pipeline_stage: Any) -> None:
     libc = _libc
     if libc is None or not hasattr(libc, "mallinfo2"):  # glibc < 2.33
         return
-    libc.mallinfo2.restype = _MallInfo2
     weights = sum(local_tensor(p).numel() * p.element_size() for p in pipeline_stage.submod.parameters())
     for name in ("backward_one_chunk", "backward_weight_one_chunk"):
         setattr(pipeline_stage, name, _after_trim(libc, weights // 4, getattr(pipeline_stage, name)))
@@ -96,4 +95,6 @@ def _fix_mmap_threshold(threshold: int) -> ctypes.CDLL | None:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+    if hasattr(libc, "mallinfo2"):
+        libc.mallinfo2.restype = _MallInfo2
     return libc if libc.mallopt(_M_MMAP_THRESHOLD, threshold) else None

@@ -59,7 +59,6 @@ class StepRecorder:
             # torch asks every forward whether it ends in a loss: only the last stage's calls compute one
             if self.events is None or (kind == "L" and not args[0].is_last):
                 return method(*args, **kwargs)
-
             start = time.time()
             out = method(*args, **kwargs)
             microbatch = int(args[mb_arg]) if kind != "P" else -1

@@ -30,10 +30,9 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import capture_model_call, signature, split_batch
-from lightning_pp.schedule import build_schedule
+from lightning_pp.schedule import ASYNC, build_schedule
 from lightning_pp.step import PipelineRunner
 
-NAMES = ("2bw",)  # normalised (lightning_pp.schedule.normalize_schedule)
 OLDER = "pipedream_2bw_older_weights"  # the key in a parameter's optimizer state
 
 
@@ -161,8 +160,11 @@ class Schedule2BW(PipelineScheduleSingle):
         """The last stage's forward of the next batch's first micro-batch, at the end of this step: its output
         waits, as the user's step would see it, for the loss at the next step."""
         stage = self._stage
-        with self.versions.bound(stage.submod, window):
+        self._bind(window)
+        try:
             output = stage.forward_one_chunk(0, (), kwargs, save_forward_output=False)
+        finally:
+            self._bind(None)
         self._held = (output, stage.submod.outputs.pop(m))  # kept under the next batch's index (m + 0)
         self._heads, self._received = 1, False
 
@@ -213,6 +215,7 @@ class TwoBWRunner(PipelineRunner):
         self._versions: WeightVersions | None = None
         self._older: dict[int, torch.Tensor] = {}  # read from a checkpoint, for the first window
         self._params: dict[int, nn.Parameter] = {}  # the optimizer's, by identity
+        self._stashed = False  # the optimizer state holds the older weights a save put there
 
     def look_ahead(self, next_args: tuple | None, window: int, next_window: int) -> None:
         """What the coming training step streams into: the next batch's step arguments (None: drain), and the
@@ -226,11 +229,16 @@ class TwoBWRunner(PipelineRunner):
             return
         for param_id, tensor in self._versions.next_window_weights().items():
             optimizer.state[self._params[param_id]][OLDER] = tensor
+        self._stashed = True
 
     def adopt_older(self, optimizer: torch.optim.Optimizer, resumed: bool) -> None:
-        """At each step: take stashed weights out of the optimizer state; at the first, after a resume, they are
-        the first window's weights (a checkpoint written by another schedule has none: the live weights)."""
+        """Before a step: take stashed weights out of the optimizer state (after a save; AdamW would take a state
+        holding only them for an initialised one); at the first, after a resume, they are the first window's
+        weights (a checkpoint written by another schedule has none: the live weights)."""
+        if self._versions is not None and not self._stashed:
+            return
         found = {id(p): state.pop(OLDER) for p, state in optimizer.state.items() if OLDER in state}
+        self._stashed = False
         if self._versions is not None:
             return
         self._params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
@@ -314,7 +322,7 @@ _END = object()
 
 def check_2bw(schedule: str, data_parallel: str, tensor_parallel_size: int, split: str, recompute: bool) -> None:
     """Combinations 2BW does not run yet, refused on every rank when the strategy is built."""
-    if schedule not in NAMES:
+    if schedule not in ASYNC:
         return
     unsupported = {
         "data_parallel='fsdp'": data_parallel == "fsdp",
@@ -331,7 +339,7 @@ def check_2bw(schedule: str, data_parallel: str, tensor_parallel_size: int, spli
 
 
 def check_optimizers(schedule: str, optimizers: list[Any]) -> None:
-    if schedule in NAMES and len(optimizers) != 1:
+    if schedule in ASYNC and len(optimizers) != 1:
         raise PipelineConfigError(
             f"schedule='2bw' keeps one weight version per optimizer step, but configure_optimizers returned"
             f" {len(optimizers)} optimizers; return one (with parameter groups for different settings)."
@@ -341,7 +349,7 @@ def check_optimizers(schedule: str, optimizers: list[Any]) -> None:
 def look_ahead(loader: Any, schedule: str, training: bool) -> Any:
     """2BW's train loader, one item ahead; refused without a length (Lightning's fetcher reads an unsized loader
     one item ahead itself, so the item seen here would not be the next batch)."""
-    if schedule not in NAMES or not training:
+    if schedule not in ASYNC or not training:
         return loader
     try:
         len(loader)  # type: ignore[arg-type]
@@ -384,7 +392,7 @@ def _loaders(trainer: Any) -> list[Any]:
 
 
 def runner_for(schedule: str) -> type[PipelineRunner]:
-    return TwoBWRunner if schedule in NAMES else PipelineRunner
+    return TwoBWRunner if schedule in ASYNC else PipelineRunner
 
 
 def end_window(runner: PipelineRunner | None) -> None:
