@@ -1,5 +1,5 @@
-"""Peak activation memory saved for backward per stage: GPipe against 1F1B (p=2, m=8), and 1F1B with
-activation checkpointing against without.
+"""Peak activation memory saved for backward per rank: GPipe against 1F1B, interleaved 1F1B and ZBV (p=2, m=8;
+two stages per rank for the last two), and 1F1B with activation checkpointing against without.
 
     python benchmarks/memory.py [--m 8] [--steps 3]
 
@@ -27,9 +27,11 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
-    runs = {name: peaks(name, args.m, args.steps) for name in ("gpipe", "1f1b")}
+    runs = {name: peaks(name, args.m, args.steps) for name in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")}
     runs["1f1b_activation_checkpointing"] = peaks("1f1b", args.m, args.steps, recompute=True)
-    gpipe, one_f_one_b, recomputed = (runs[k]["peak_bytes_per_stage"] for k in runs)
+    gpipe, one_f_one_b, recomputed = (
+        runs[k]["peak_bytes_per_stage"] for k in ("gpipe", "1f1b", "1f1b_activation_checkpointing")
+    )
     result = {
         "benchmark": "memory",
         "machine": machine(),

@@ -18,11 +18,13 @@ import contextlib
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -63,7 +65,7 @@ def profile_costs(
     with _untouched(module, device):
         # validation may come first: its batch is an inference tensor, which autograd cannot save
         args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
-        runs = [_timed_run(layers, lambda: forward(*args, **kwargs), now) for _ in range(repeats + 1)]
+        runs = [_timed_run(layers, lambda: forward(*args, **kwargs), now).costs() for _ in range(repeats + 1)]
     measured = runs[1:]
     return Costs(
         [statistics.median(r.layers[i] for r in measured) for i in range(len(layers))],
@@ -84,7 +86,7 @@ def count_flops(
 def flops_of(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any]) -> Costs:
     """FLOPs of ``run_forward`` and its backward (on meta tensors) per layer and before and after them."""
     with FlopCounterMode(display=False) as counter, torch.enable_grad():
-        return _timed_run(layers, run_forward, lambda: float(counter.get_total_flops()))
+        return _timed_run(layers, run_forward, lambda: float(counter.get_total_flops())).costs()
 
 
 @contextlib.contextmanager
@@ -104,15 +106,38 @@ def _untouched(module: nn.Module, device: torch.device) -> Iterator[None]:
                 b.copy_(saved)
 
 
-def _timed_run(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any], now: Callable[[], float]) -> Costs:
-    """Costs of one forward and backward, read off the clock ``now`` (seconds, or FLOPs counted so far)."""
+class _Run(NamedTuple):
+    """One forward and backward read off a clock, per segment: [before the layers, each layer, after them]."""
+
+    forward: list[float]
+    backward: list[float]
+
+    def costs(self) -> Costs:
+        """Forward plus backward per layer; the parts before and after the layers apart (the first backward
+        segment, the embedding's, counts with the first layer: both always sit on the first stage)."""
+        total = [f + b for f, b in zip(self.forward, self.backward)]
+        return Costs([total[1] + self.backward[0], *total[2:-1]], first=self.forward[0], last=total[-1])
+
+
+def _timed_run(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any], now: Callable[[], float]) -> _Run:
+    """Forward and backward of ``run_forward``'s outputs, read off the clock ``now`` (seconds, or FLOPs
+    counted so far)."""
     n = len(layers)
     starts, ends = [0.0] * n, [0.0] * n
     grad_at: list[float | None] = [None] * n  # when backward reached each layer's output
+    input_grad_at: list[float | None] = [None]  # when it reached the first layer's input
+
+    def reached_input(grad: torch.Tensor) -> None:
+        if input_grad_at[0] is None:
+            input_grad_at[0] = now()
 
     def on_start(i: int) -> Callable[..., None]:
-        def hook(*_: Any) -> None:
+        def hook(_module: nn.Module, inputs: Any) -> None:
             starts[i] = now()
+            if i == 0:
+                for t in tree_flatten(inputs)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(reached_input)
 
         return hook
 
@@ -146,13 +171,10 @@ def _timed_run(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any], 
     later = t1
     for i in reversed(range(n)):
         later = reached[i] = grad_at[i] if grad_at[i] is not None else later
+    first_input = input_grad_at[0] if input_grad_at[0] is not None else t2
     forward = [starts[i + 1] - starts[i] for i in range(n - 1)] + [ends[-1] - starts[-1]]
-    backward = [t2 - reached[0]] + [reached[i - 1] - reached[i] for i in range(1, n)]
-    return Costs(
-        [f + b for f, b in zip(forward, backward)],
-        first=starts[0] - t0,
-        last=(t1 - ends[-1]) + (reached[-1] - t1),
-    )
+    backward = [first_input - reached[0]] + [reached[i - 1] - reached[i] for i in range(1, n)]
+    return _Run([starts[0] - t0, *forward, t1 - ends[-1]], [t2 - first_input, *backward, reached[-1] - t1])
 
 
 def agree(costs: Costs, device: torch.device) -> Costs:
@@ -172,3 +194,182 @@ def describe_costs(costs: Costs, counts: list[int], flops: bool = False) -> str:
         f"Profiled forward+backward per micro-batch ({unit}): before the layers {scale * costs.first:.3g},"
         f" layers [{layers}], after the layers {scale * costs.last:.3g}; split {counts} costs [{stages}] per stage."
     )
+
+
+@dataclass(frozen=True)
+class Segments:
+    """One micro-batch of ``size`` samples through the user's step, per segment: [before the layers, each
+    layer, after them (head and the user's loss)]. Seconds and bytes.
+
+    ``input_grad`` and ``weight_grad`` are the halves the zero-bubble and V schedules run instead of
+    ``backward``: measured on each layer alone with torch's own split backward (to the inputs, keeping the
+    intermediates the weights need; then from those to the weights); the parts before and after the layers
+    take the layers' mean proportions. ``boundary_bytes`` is what each segment hands to the next: a message between two
+    stages, and what a recomputed layer keeps of the previous one.
+    """
+
+    size: int
+    forward: tuple[float, ...]
+    backward: tuple[float, ...]
+    input_grad: tuple[float, ...]
+    weight_grad: tuple[float, ...]
+    saved_bytes: tuple[int, ...]
+    boundary_bytes: tuple[int, ...]
+    param_bytes: tuple[int, ...]
+
+
+def measure_segments(
+    module: nn.Module, layers: Mapping[str, nn.Module], run_step: Callable[[], Any], size: int, repeats: int = 3
+) -> Segments:
+    """Time and count one micro-batch of ``size`` samples through ``run_step`` (the user's step, returning its
+    loss) on a real module in one process; the module's gradients, buffers and random state stay as they were."""
+    device = next(module.parameters()).device
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    with _untouched(module, device):
+        inputs: dict[int, tuple[tuple, dict]] = {}
+        with _layer_inputs(layers, inputs), _SavedBytes(module, layers) as counted:
+            sum_of_outputs(run_step()).backward()
+        runs = [_timed_run(layers, run_step, now) for _ in range(repeats + 1)][1:]
+        split = [_split_backward(layer, *inputs[i], now, repeats) for i, layer in enumerate(layers.values())]
+    forward = [statistics.median(r.forward[k] for r in runs) for k in range(len(layers) + 2)]
+    backward = [statistics.median(r.backward[k] for r in runs) for k in range(len(layers) + 2)]
+    alone = sum(b for b, _, _ in split) or 1.0
+    shares = [(sum(i for _, i, _ in split) / alone, sum(w for _, _, w in split) / alone)]
+    shares = shares + [(i / (b or 1.0), w / (b or 1.0)) for b, i, w in split] + shares
+    return Segments(
+        size=size,
+        forward=tuple(forward),
+        backward=tuple(backward),
+        input_grad=tuple(b * i for b, (i, _) in zip(backward, shares)),
+        weight_grad=tuple(b * w for b, (_, w) in zip(backward, shares)),
+        saved_bytes=tuple(counted.saved),
+        boundary_bytes=tuple(counted.boundary),
+        param_bytes=tuple(counted.param_bytes(module)),
+    )
+
+
+@contextlib.contextmanager
+def _layer_inputs(layers: Mapping[str, nn.Module], into: dict[int, tuple[tuple, dict]]) -> Iterator[None]:
+    """Detached copies of what each layer receives, for running it alone."""
+
+    def keep(i: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            into[i] = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+
+        return hook
+
+    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers.values())]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _split_backward(
+    layer: nn.Module, args: tuple, kwargs: dict, now: Callable[[], float], repeats: int
+) -> tuple[float, float, float]:
+    """Seconds of one layer's full backward, and of its input and weight halves, run alone."""
+    params = [p for p in layer.parameters() if p.requires_grad]
+    full, first, second = [], [], []
+    for _ in range(repeats + 1):
+        a, kw = tree_map(
+            lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t,
+            (args, kwargs),
+        )
+        leaves = [t for t in tree_flatten((a, kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        outputs = [t for t in tree_flatten(layer(*a, **kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        grads = [torch.ones_like(t) for t in outputs]
+        t0 = now()
+        _, param_groups = stage_backward_input(outputs, grads, leaves, iter(params))
+        t1 = now()
+        stage_backward_weight(iter(params), param_groups)
+        t2 = now()
+        outputs = [t for t in tree_flatten(layer(*a, **kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        t3 = now()
+        torch.autograd.backward(outputs, grads)
+        full.append(now() - t3)
+        first.append(t1 - t0)
+        second.append(t2 - t1)
+    return tuple(statistics.median(x[1:]) for x in (full, first, second))  # type: ignore[return-value]
+
+
+class _SavedBytes:
+    """Bytes autograd saves for backward in each segment (each storage once, parameters excluded, counted where
+    first saved), and the bytes each segment hands to the next."""
+
+    def __init__(self, module: nn.Module, layers: Mapping[str, nn.Module]) -> None:
+        self._params = {p.untyped_storage()._cdata for p in module.parameters()}
+        self._layers = list(layers.values())
+        n = len(self._layers)
+        self.saved = [0] * (n + 2)
+        self.boundary = [0] * (n + 2)
+        self._seen: set[int] = set()
+        self._segment = 0
+        self._used: dict[nn.Module, int] = {}  # the segment where each module first runs
+
+    def param_bytes(self, module: nn.Module) -> list[int]:
+        """Parameter bytes of each segment: each module's own parameters where it first ran (a tied embedding and
+        head count on both ends, as the pipeline holds a copy on each), parameters of modules that never ran on the
+        first segment."""
+        out = [0] * len(self.saved)
+        for m in module.modules():
+            out[self._used.get(m, 0)] += sum(p.nbytes for p in m.parameters(recurse=False))
+        for i, layer in enumerate(self._layers):
+            for m in layer.modules():
+                out[self._used.get(m, 0)] -= sum(p.nbytes for p in m.parameters(recurse=False))
+            out[i + 1] += sum(p.nbytes for p in layer.parameters())
+        return out
+
+    def _ran(self, m: nn.Module, _inputs: Any) -> None:
+        self._used.setdefault(m, self._segment)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        key = tensor.untyped_storage()._cdata
+        if key not in self._params and key not in self._seen:
+            self._seen.add(key)
+            self.saved[self._segment] += tensor.untyped_storage().nbytes()
+        return tensor
+
+    def _enter(self, i: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.boundary[i] = _nbytes((args, kwargs))  # segment i (before, or the previous layer) hands this on
+            self._segment = i + 1
+
+        return hook
+
+    def _leave(self, i: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, _inputs: Any, output: Any) -> None:
+            if i == len(self._layers) - 1:
+                self.boundary[i + 1] = _nbytes(output)
+                self._segment = i + 2
+
+        return hook
+
+    def __enter__(self) -> _SavedBytes:
+        self._handles = [
+            h
+            for i, layer in enumerate(self._layers)
+            for h in (
+                layer.register_forward_pre_hook(self._enter(i), with_kwargs=True),
+                layer.register_forward_hook(self._leave(i)),
+            )
+        ]
+        self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._ran))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(t.nbytes for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.is_floating_point())

@@ -12,11 +12,14 @@ F;B pairs included (run back to back, as the runtime does without a custom overl
 
 from __future__ import annotations
 
+import functools
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from lightning_pp.schedule import SCHEDULES, normalize_schedule, stages_of_rank
-from lightning_pp.telemetry import Event
+from lightning_pp.telemetry import Event, covered
 
 
 class Action(NamedTuple):
@@ -57,18 +60,24 @@ class Simulation:
         return [1 - busy / self.step_s for busy in self.busy_s]
 
 
-def rank_actions(schedule: str, pp: int, n_microbatches: int, stages_per_rank: int = 1) -> list[list[Action]]:
-    """Every pipeline rank's computations in the order its runtime runs them."""
+@functools.lru_cache(maxsize=64)
+def rank_actions(
+    schedule: str, pp: int, n_microbatches: int, stages_per_rank: int = 1
+) -> tuple[tuple[Action, ...], ...]:
+    """Every pipeline rank's computations in the order its runtime runs them (kept: a plan asks again for every
+    balance and recomputation of one schedule)."""
     name = normalize_schedule(schedule)
     m = n_microbatches
     if name == "gpipe":
-        return [[Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)] for r in range(pp)]
+        return tuple(
+            tuple([Action(r, "F", i) for i in range(m)] + [Action(r, "B", i) for i in range(m)]) for r in range(pp)
+        )
     if name == "1f1b":
-        return [_one_f_one_b(r, pp, m) for r in range(pp)]
+        return tuple(tuple(_one_f_one_b(r, pp, m)) for r in range(pp))
     from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 
     lists = get_schedule_ops(SCHEDULES[name], pp, m, stages_per_rank)
-    return [[a for action in ops if action is not None for a in _computations(action)] for ops in lists]
+    return tuple(tuple(a for action in ops if action is not None for a in _computations(action)) for ops in lists)
 
 
 def _one_f_one_b(rank: int, pp: int, m: int) -> list[Action]:
@@ -92,9 +101,12 @@ def _computations(action: object) -> list[Action]:
     return [] if kind is None else [Action(action.stage_index, kind, action.microbatch_index)]  # type: ignore[attr-defined]
 
 
-def simulate(schedule: str, pp: int, n_microbatches: int, costs: Costs, stages_per_rank: int = 1) -> Simulation:
+def simulate(
+    schedule: str, pp: int, n_microbatches: int, costs: Costs, stages_per_rank: int = 1, timeline: bool = True
+) -> Simulation:
     """One training step of ``schedule`` on ``pp`` ranks with ``costs``: its time, each rank's busy time, the
-    timeline (``Event`` rows per rank, as the telemetry records them) and the micro-batches each stage holds."""
+    timeline (``Event`` rows per rank, as the telemetry records them; ``timeline=False`` leaves it empty, twice as
+    fast for a planner) and the micro-batches each stage holds."""
     name = normalize_schedule(schedule)
     lists = rank_actions(name, pp, n_microbatches, stages_per_rank)
     n_stages = pp * stages_per_rank
@@ -102,8 +114,9 @@ def simulate(schedule: str, pp: int, n_microbatches: int, costs: Costs, stages_p
     last = n_stages - 1
     done: dict[Action, float] = {}
     clock = [0.0] * pp
+    busy = [0.0] * pp
     position = [0] * pp
-    timeline: list[Event] = []
+    events: list[Event] = []
     remaining = sum(len(actions) for actions in lists)
     while remaining:
         progressed = False
@@ -114,17 +127,21 @@ def simulate(schedule: str, pp: int, n_microbatches: int, costs: Costs, stages_p
                 if ready is None:
                     break
                 start = max(clock[r], ready)
-                clock[r] = done[action] = start + costs.of(action)
-                timeline.append(Event(r, action.kind, action.microbatch, start, clock[r], action.stage // pp))
+                chunk = action.stage // pp
+                if timeline and start > clock[r]:  # waiting for the input, as the telemetry records a receive
+                    events.append(Event(r, "P", action.microbatch, clock[r], start, chunk))
+                took = costs.of(action)
+                busy[r] += took
+                clock[r] = done[action] = start + took
+                if timeline:
+                    events.append(Event(r, action.kind, action.microbatch, start, clock[r], chunk))
                 position[r] += 1
                 remaining -= 1
                 progressed = True
         if not progressed:
             stuck = {r: lists[r][position[r]] for r in range(pp) if position[r] < len(lists[r])}
             raise RuntimeError(f"{schedule} on {pp} ranks, m={n_microbatches}: no rank can go on: {stuck}")
-    step = max(clock)
-    busy = [sum(e.end - e.start for e in timeline if e.stage == r) for r in range(pp)]
-    return Simulation(step, busy, timeline, [_held(actions) for actions in lists])
+    return Simulation(max(clock), busy, events, [_held(actions)[1] for actions in lists])
 
 
 def _input_ready(
@@ -148,16 +165,61 @@ def _input_ready(
     return done[maker] + (message if rank_of[maker.stage] != rank_of[s] else 0.0)
 
 
-def _held(actions: list[Action]) -> dict[int, int]:
-    """Per stage, the micro-batches held (from F until B, or until W) at the moment the rank holds the most; with
-    equal activations per stage that moment is the rank's activation peak."""
+def activation_peak(actions: Sequence[Action], stage_bytes: Sequence[float]) -> float:
+    """The most activation bytes a rank holds at once running ``actions`` in order: each micro-batch holds
+    ``stage_bytes[stage]`` from its forward until its backward (full, or the weight half that ends it)."""
+    return _held(actions, stage_bytes)[0]
+
+
+def _held(actions: Sequence[Action], weight: Sequence[float] | None = None) -> tuple[float, dict[int, int]]:
+    """The peak of what the rank holds (micro-batches, or their bytes with ``weight`` per stage) and, per stage,
+    the micro-batches held (from F until B, or until W) at that moment."""
     held: dict[int, int] = {}
-    peak: tuple[int, dict[int, int]] = (0, {})
+    peak: tuple[float, dict[int, int]] = (0.0, {})
     for a in actions:
         if a.kind == "F":
             held[a.stage] = held.get(a.stage, 0) + 1
         elif a.kind in "BW":
             held[a.stage] -= 1
-        if sum(held.values()) > peak[0]:
-            peak = (sum(held.values()), dict(held))
-    return peak[1]
+        total = sum(n * (1.0 if weight is None else weight[s]) for s, n in held.items())
+        if total > peak[0]:
+            peak = (total, dict(held))
+    return peak
+
+
+def replay(
+    events: Sequence[Event], schedule: str, pp: int, n_microbatches: int, stages_per_rank: int = 1, message: float = 0.0
+) -> Simulation:
+    """The simulator run with what a recorded step's actions took (``PipelineMonitor``'s events: the medians per
+    stage and kind, the user's loss with the last stage's forward, and each rank's time neither computing nor
+    waiting spread over its actions as their overhead): how much of a measured step the model explains."""
+    n_stages = pp * stages_per_rank
+    durations: dict[tuple[int, str], list[float]] = {}
+    glue = []
+    for r in range(pp):
+        mine = [e for e in events if e.stage == r]
+        computed = [e for e in mine if e.kind in "FBIWL"]
+        span = max(e.end for e in computed) - min(e.start for e in computed)
+        waited = covered(
+            [(e.start, e.end) for e in mine if e.kind == "P"],
+            min(e.start for e in computed),
+            max(e.end for e in computed),
+        )
+        glue.append((span - sum(e.seconds for e in computed) - waited) / len(computed))
+        for e in computed:
+            stage = n_stages - 1 if e.kind == "L" else stages_of_rank(schedule, r, pp, stages_per_rank)[e.chunk]
+            durations.setdefault((stage, e.kind), []).append(e.seconds)
+    overhead = max(statistics.median(glue), 0.0)
+
+    def column(kind: str) -> tuple[float, ...]:
+        return tuple(statistics.median(durations.get((s, kind), [0.0])) + overhead for s in range(n_stages))
+
+    forward = list(column("F"))
+    forward[-1] += column("L")[-1]
+    return simulate(
+        schedule,
+        pp,
+        n_microbatches,
+        Costs(tuple(forward), column("B"), column("I"), column("W"), message),
+        stages_per_rank,
+    )

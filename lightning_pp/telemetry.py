@@ -108,12 +108,12 @@ def summarize(events: list[Event]) -> list[StageSummary]:
         if not compute:
             continue
         start, end = min(e.start for e in compute), max(e.end for e in compute)
-        waits = _covered([(e.start, e.end) for e in mine if e.kind == "P"], start, end)
+        waits = covered([(e.start, e.end) for e in mine if e.kind == "P"], start, end)
         out.append(StageSummary(stage, sum(e.seconds for e in compute), waits, end - start))
     return out
 
 
-def _covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
+def covered(intervals: list[tuple[float, float]], start: float, end: float) -> float:
     """Seconds of [start, end] inside the union of the intervals (nested timers count once)."""
     total, reach = 0.0, start
     for a, b in sorted(intervals):

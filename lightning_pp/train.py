@@ -121,7 +121,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
     train_loss = trainer.callback_metrics.get("train_loss")
-    val_loss = trainer.validate(model, datamodule=data, verbose=False)[0].get("val_loss")
+    validated = trainer.validate(model, datamodule=data, verbose=False)  # empty under limit_val_batches=0
+    val_loss = validated[0].get("val_loss") if validated else None
     wall = time.perf_counter() - start
 
     rank = trainer.global_rank

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pp.simulate import Costs, rank_actions, simulate
+from lightning_pp.simulate import Costs, rank_actions, replay, simulate
 
 
 def uniform(pp: int, v: int, forward: float = 1.0, backward: float = 2.0, weight: float = 1.0) -> Costs:
@@ -71,7 +71,19 @@ def test_micro_batches_in_flight_come_from_the_runtime_order():
 def test_the_timeline_is_the_telemetry_s_events():
     sim = simulate("1f1b", 2, 4, uniform(2, 1))
     rows = {e.stage for e in sim.timeline}
-    assert rows == {0, 1} and len(sim.timeline) == 2 * 2 * 4
-    for r in rows:  # each rank runs one action at a time
+    computed = [e for e in sim.timeline if e.kind != "P"]
+    assert rows == {0, 1} and len(computed) == 2 * 2 * 4
+    for r in rows:  # each rank runs one action or waits at a time, and waits only for what it lacks
         mine = sorted((e.start, e.end) for e in sim.timeline if e.stage == r)
+        assert sum(b - a for a, b in mine) == pytest.approx(sim.step_s if r == 0 else mine[-1][1])
         assert all(a[1] <= b[0] + 1e-12 for a, b in zip(mine, mine[1:]))
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_replaying_a_timeline_reproduces_its_step(schedule, v):
+    # uneven stages, a head on the last: a recorded step is replayed from its own actions' times
+    n = 2 * v
+    costs = Costs(tuple(1.0 + s for s in range(n)), tuple(2.0 + s for s in range(n)),
+                  tuple(1.2 + s for s in range(n)), tuple(0.9 + s / 2 for s in range(n)), message=0.0)  # fmt: skip
+    sim = simulate(schedule, 2, 8, costs, v)
+    assert replay(sim.timeline, schedule, 2, 8, v).step_s == pytest.approx(sim.step_s)

@@ -1,0 +1,131 @@
+"""How well the planner predicts: its ranking and step times against measured runs, p = 2 ranks.
+
+    python benchmarks/plan_accuracy.py [--configs 8] [--rounds 3] [--steps 30] [--model gpt_small]
+
+Plans ``python -m lightning_pp.plan model=<model>`` once, takes the first configuration and others spread
+evenly over the ranking, runs each through ``python -m lightning_pp.train`` with the row's overrides (a short
+fit, samples/s after the warm-up), in a different order each round, and compares medians: Spearman rank
+correlation of predicted and measured samples/s, how far the planner's first choice is from the best
+measured, the median step-time error; and the same for a bubble bound fitted to two of the measured runs
+(step = a (1 + (p - 1) / (v m)) + b), the formula a user would reach for. Writes
+benchmarks/results/plan_accuracy.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from common import machine
+
+HERE = Path(__file__).parent
+SHORT = ["trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0", "trainer.enable_progress_bar=false",
+         "trainer.enable_model_summary=false", "logger=csv"]  # fmt: skip
+
+
+def app(module: str, args: list[str], out: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    subprocess.run([sys.executable, "-m", module, *args, f"hydra.run.dir={out}"], check=True, env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+
+
+def ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    for position, i in enumerate(order):
+        out[i] = float(position)
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = ranks(a), ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+def scores(predicted_step: list[float], measured_step: list[float]) -> dict[str, float]:
+    best = min(measured_step)
+    first = min(range(len(predicted_step)), key=lambda i: predicted_step[i])
+    return {
+        "spearman": spearman([-s for s in predicted_step], [-s for s in measured_step]),
+        "first_choice_over_best_measured": measured_step[first] / best,
+        "median_step_error": statistics.median(abs(p - m) / m for p, m in zip(predicted_step, measured_step)),
+    }
+
+
+def bubble_bound(rows: list[dict], measured_step: list[float], fit: tuple[int, int]) -> list[float]:
+    """step = a (1 + (p - 1) / (v m)) + b through two measured runs."""
+
+    def shape(row: dict) -> float:
+        p, v, m = int(row["pipeline_parallel_size"]), int(row["stages_per_rank"]), int(row["n_microbatches"])
+        return 1 + (p - 1) / (v * m)
+
+    (x0, y0), (x1, y1) = [(shape(rows[i]), measured_step[i]) for i in fit]
+    a = (y1 - y0) / (x1 - x0)
+    return [a * shape(r) + (y0 - a * x0) for r in rows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--configs", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--model", default="gpt_small")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        app("lightning_pp.plan", [f"model={args.model}"], Path(tmp) / "plan")
+        with (Path(tmp) / "plan" / "plan.csv").open() as f:
+            table = list(csv.DictReader(f))
+        machine_costs = json.loads((Path(tmp) / "plan" / "costs.json").read_text())
+        n = len(table)
+        picked = sorted({round(i * (n - 1) / (args.configs - 1)) for i in range(args.configs)})
+        rows = [table[i] for i in picked]
+        rates: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+        for round_ in range(args.rounds):
+            order = list(range(len(rows)))
+            order = order[round_ % len(order) :] + order[: round_ % len(order)]
+            for i in order if round_ % 2 == 0 else order[::-1]:
+                out = Path(tmp) / f"run{round_}_{i}"
+                overrides = [f"model={args.model}", f"trainer.max_steps={args.steps}", *SHORT]
+                app("lightning_pp.train", overrides + rows[i]["overrides"].split(), out)
+                rates[i].append(json.loads((out / "result.json").read_text())["samples_per_s"])
+                print(rows[i]["overrides"], rates[i][-1], flush=True)
+    batch = machine_costs["batch_size"]
+    measured = [statistics.median(rates[i]) for i in range(len(rows))]
+    measured_step = [batch / r for r in measured]
+    predicted_step = [float(r["predicted_step_s"]) for r in rows]
+    fit = (0, len(rows) - 1)  # the bound's two runs: the plan's first and last picked
+    bound = bubble_bound(rows, measured_step, fit)
+    result = {
+        "benchmark": "plan_accuracy",
+        "machine": machine(),
+        "config": {**vars(args), "planned_configurations": n, "plan_rows_picked": [p + 1 for p in picked]},
+        "machine_costs": machine_costs["machine"],
+        "runs": [
+            {
+                "plan_row": picked[i] + 1,
+                "overrides": rows[i]["overrides"],
+                "predicted_step_s": predicted_step[i],
+                "measured_step_s": measured_step[i],
+                "measured_samples_per_s": rates[i],
+                "bubble_bound_step_s": bound[i],
+            }
+            for i in range(len(rows))
+        ],
+        "planner": scores(predicted_step, measured_step),
+        "bubble_bound_fitted_to_two_runs": scores(bound, measured_step),
+    }
+    path = HERE / "results" / "plan_accuracy.json"
+    path.write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: result[k] for k in ("planner", "bubble_bound_fitted_to_two_runs")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""What the machine adds to a step whatever the model: message latency and bandwidth, the runtime's cost per
+action and per step, and a rank's resident memory before any model.
+
+Runs as its own job on two local ranks (``python -m torch.distributed.run --nproc_per_node 2 -m
+lightning_pp.calibrate OUT.json [ACCELERATOR]``, started by ``measure_machine``): one ping-pong at two
+message sizes on the real backend, then two short fits of a model whose layers cost nothing through
+``PipelineStrategy`` (1F1B at 2 to 16 micro-batches): what their steps take is the runtime's own cost,
+split into a part per action and a part per step by the simulator.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_SIZES = (1 << 10, 1 << 22)  # bytes of the two ping-pong messages
+_MICROBATCHES = (2, 4, 8, 16)
+_STEPS = 20  # per fit; the first 4 are left out
+
+
+@dataclass(frozen=True)
+class Machine:
+    latency_s: float
+    bandwidth_bytes_per_s: float
+    action_overhead_s: float  # beyond the computation, per forward or backward a stage runs
+    step_overhead_s: float  # per training step beyond the schedule: Lightning's loop, the runner's bookkeeping
+    base_bytes: int  # a rank's resident memory with torch, Lightning and the process group but no model
+
+    def message_s(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+
+def measure_machine(accelerator: str = "cpu", timeout_s: float = 300.0) -> Machine:
+    """Launch the calibration job on two local ranks and read what it measured."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "machine.json"
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        run = subprocess.run(
+            [*command, "-m", "lightning_pp.calibrate", str(out), accelerator],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
+        if run.returncode != 0:
+            raise RuntimeError(f"The calibration job failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        return Machine(**json.loads(out.read_text()))
+
+
+def _ping_pong(rank: int, device: torch.device) -> tuple[float, float]:
+    """Latency and bandwidth of one message between the two ranks: half a round trip at two sizes."""
+    one_way = []
+    for size in _SIZES:
+        buffer = torch.zeros(size // 4, device=device)
+        times = []
+        for _ in range(12):
+            dist.barrier()
+            start = time.perf_counter()
+            if rank == 0:
+                dist.send(buffer, 1)
+                dist.recv(buffer, 1)
+            else:
+                dist.recv(buffer, 0)
+                dist.send(buffer, 0)
+            times.append((time.perf_counter() - start) / 2)
+        one_way.append(statistics.median(times[2:]))
+    per_byte = max((one_way[1] - one_way[0]) / (_SIZES[1] - _SIZES[0]), 1e-12)
+    return max(one_way[0] - per_byte * _SIZES[0], 0.0), 1.0 / per_byte
+
+
+class _Free(nn.Module):
+    """A layer that costs (nearly) nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def _fit_step_times(n_microbatches: int, accelerator: str) -> list[float]:
+    import lightning as L
+
+    from lightning_pp.strategy import PipelineStrategy
+
+    class Tiny(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(_Free() for _ in range(4))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            loss = self(batch).square().mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    ends: list[float] = []
+
+    class Clock(L.Callback):
+        def on_train_batch_end(self, *_: Any) -> None:
+            ends.append(time.perf_counter())
+
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=2,
+        strategy=PipelineStrategy(schedule="1f1b", n_microbatches=n_microbatches),
+        max_steps=_STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[Clock()],
+    )
+    data = torch.utils.data.DataLoader(torch.zeros(_STEPS * 16, 8), batch_size=16)
+    trainer.fit(Tiny(), data)
+    return [b - a for a, b in zip(ends[4:], ends[5:])]
+
+
+def _split_overheads(step_s: dict[int, float], latency_s: float) -> tuple[float, float]:
+    """The cost per action and per step that make the simulator's 1F1B fit the measured step times best (least
+    squares: with actions of cost ``a`` the simulated step is ``a`` times the actions on its critical path plus
+    the messages on it)."""
+    from lightning_pp.simulate import Costs, simulate
+
+    def schedule_s(m: int, action: float) -> float:
+        return simulate("1f1b", 2, m, Costs((action,) * 2, (action,) * 2, message=latency_s)).step_s
+
+    ms = sorted(step_s)
+    path = [schedule_s(m, 1.0) - schedule_s(m, 0.0) for m in ms]  # actions on the critical path
+    rest = [step_s[m] - schedule_s(m, 0.0) for m in ms]
+    mean_x, mean_y = sum(path) / len(ms), sum(rest) / len(ms)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(path, rest)) / sum((x - mean_x) ** 2 for x in path)
+    action = max(slope, 0.0)
+    return action, max(mean_y - action * mean_x, 0.0)
+
+
+def _main(out: str, accelerator: str) -> None:
+    rank = int(os.environ["RANK"])
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if accelerator == "gpu" else torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    latency_s, bandwidth = _ping_pong(rank, device)
+    step_s = {m: statistics.median(_fit_step_times(m, accelerator)) for m in _MICROBATCHES}
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    action, step = _split_overheads(step_s, latency_s)
+    resident = int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) * 1024
+    if rank == 0:
+        machine = Machine(latency_s, bandwidth, action, step, resident)
+        Path(out).write_text(json.dumps(asdict(machine), indent=1))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")

@@ -1,0 +1,285 @@
+"""The planner: ``python -m lightning_pp.plan [the overrides of lightning_pp.train] [plan.memory_limit_mib=N]
+[plan.top=K] [plan.verify_top=K]``, or ``plan_module`` from Python.
+
+It profiles the model once in this process (each layer's forward, backward and split backward at three
+micro-batch sizes, the activations each saves, its parameters, the optimizer's state and step), measures the
+machine once on two ranks (``calibrate``), simulates every configuration for the devices (``planner``) and
+writes ``plan.csv`` (best first, each row with the overrides that run it), ``plan.png`` and a table, into the
+Hydra job's directory. ``plan.verify_top=K`` runs the first K through the app and adds what they measured.
+With ``costs=<entered>`` it plans hardware this machine does not have from numbers typed in (not validated).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from lightning_pp.calibrate import Machine, measure_machine
+from lightning_pp.microbatch import batch_size_of, split_batch
+from lightning_pp.planner import ModelCosts, Prediction, plan
+from lightning_pp.profiling import Segments, measure_segments
+from lightning_pp.stage import find_layers, patched
+from lightning_pp.train import check_config
+
+log = logging.getLogger(__name__)
+
+COLUMNS = [
+    "rank", "schedule", "n_microbatches", "stages_per_rank", "balance", "activation_checkpointing",
+    "pipeline_parallel_size", "predicted_step_s", "predicted_samples_per_s", "predicted_peak_mib", "predicted_bubble",
+    "overrides",
+]  # fmt: skip
+# strategy keys every plan row sets: the user's own values for them are the planner's to choose
+_CHOSEN = ("schedule", "pipeline_parallel_size", "stages_per_rank", "n_microbatches", "balance")
+_CHOSEN += ("activation_checkpointing",)
+
+
+def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int]) -> ModelCosts:
+    """Costs of ``module``'s own training step on micro-batches of ``sizes`` samples cut from ``batch``, and of its
+    optimizer: one process, the module as it is (on the CPU here), left unchanged but for the optimizer's step."""
+    blocks = find_layers(module, layers)
+    full = batch_size_of(batch)
+    measured = []
+    with patched(module, log=lambda *_, **__: None):
+        for size in sorted(set(sizes)):
+            micro = split_batch(batch, full // size)[0]
+            measured.append(measure_segments(module, blocks, lambda micro=micro: module.training_step(micro, 0), size))
+        ratio, seconds = _optimizer_costs(module, lambda: module.training_step(split_batch(batch, full)[0], 0))
+    return ModelCosts(tuple(measured), ratio, seconds)
+
+
+def plan_module(
+    module: L.LightningModule,
+    batch: Any,
+    devices: int,
+    layers: str = "layers",
+    memory_limit_mib: float | None = None,
+    machine: Machine | None = None,
+    **choices: Any,
+) -> list[Prediction]:
+    """Every configuration of ``module`` on ``devices`` CPU ranks for batches like ``batch``, best first (see
+    ``planner.plan`` for ``choices``: schedules, pipeline_sizes, microbatches, activation_checkpointing)."""
+    full = batch_size_of(batch)
+    costs = profile_module(module, batch, layers, _profiled_sizes(full))
+    return plan(costs, machine or measure_machine(), devices, full, memory_limit_mib, **choices)
+
+
+def _profiled_sizes(batch_size: int) -> list[int]:
+    """The smallest, a middle and the largest micro-batch the plan may use: costs are affine in between."""
+    sizes = [batch_size // m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    return sorted({sizes[-1], sizes[len(sizes) // 2], sizes[0]})
+
+
+def _optimizer_costs(module: L.LightningModule, run_step: Any, repeats: int = 3) -> tuple[float, float]:
+    """The optimizer's state bytes per parameter byte, and seconds per parameter byte of one step."""
+    import statistics
+    import time
+
+    optimizer = _first_optimizer(module.configure_optimizers())
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    nbytes = sum(p.nbytes for p in params) or 1
+    run_step().backward()
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    optimizer.zero_grad(set_to_none=True)
+    return state / nbytes, statistics.median(times[1:]) / nbytes
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The optimizer of ``configure_optimizers``' return value (an optimizer, a list or tuple, or a dict)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
+
+
+def entered_costs(cfg: DictConfig) -> tuple[ModelCosts, Machine]:
+    """Costs typed in (``costs=<name>``): a layer's and the parts' times at one micro-batch size, bytes, and the
+    machine's numbers; values scale with the micro-batch size."""
+    n = cfg.n_layers
+
+    def column(key: str) -> tuple[float, ...]:
+        part = cfg[key]
+        return (float(part.before), *[float(part.layer)] * n, float(part.after))
+
+    seconds = {
+        k: tuple(v * 1e-3 for v in column(f"{k}_ms")) for k in ("forward", "backward", "input_grad", "weight_grad")
+    }
+    segments = Segments(
+        size=int(cfg.micro_batch_size),
+        **seconds,
+        saved_bytes=column("saved_bytes"),
+        boundary_bytes=column("boundary_bytes"),
+        param_bytes=column("param_bytes"),
+    )  # type: ignore[arg-type]
+    machine = Machine(**{k: float(v) for k, v in cfg.machine.items()})  # type: ignore[arg-type]
+    return ModelCosts((segments,), float(cfg.optimizer_state_ratio), float(cfg.optimizer_s_per_byte)), machine
+
+
+def write_plan(predictions: Sequence[Prediction], out: Path, measured: dict[int, float] | None = None) -> Path:
+    """``plan.csv``: one row per configuration, best first."""
+    measured = measured or {}
+    path = out / "plan.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(
+            f, fieldnames=COLUMNS + (["measured_samples_per_s", "measured_step_s"] if measured else [])
+        )
+        writer.writeheader()
+        for i, p in enumerate(predictions):
+            c = p.config
+            row: dict[str, Any] = {
+                "rank": i + 1,
+                "schedule": c.schedule,
+                "n_microbatches": c.n_microbatches,
+                "stages_per_rank": c.stages_per_rank,
+                "balance": " ".join(map(str, c.balance)) + ("" if c.balance_mode == "uniform" else " (profile)"),
+                "activation_checkpointing": c.activation_checkpointing,
+                "pipeline_parallel_size": c.pipeline_parallel_size,
+                "predicted_step_s": f"{p.step_s:.5f}",
+                "predicted_samples_per_s": f"{p.samples_per_s:.2f}",
+                "predicted_peak_mib": f"{p.peak_mib:.1f}",
+                "predicted_bubble": f"{max(p.bubble):.3f}",
+                "overrides": c.overrides(),
+            }
+            if i in measured:
+                row["measured_samples_per_s"] = f"{measured[i]:.2f}"
+                row["measured_step_s"] = f"{p.samples_per_s * p.step_s / measured[i]:.5f}"
+            writer.writerow(row)
+    return path
+
+
+def plot_plan(
+    predictions: Sequence[Prediction], png: Path, top: int = 25, measured: dict[int, float] | None = None
+) -> Path:
+    """Predicted samples/s and peak memory of the first ``top`` configurations (measured where verified)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = list(predictions[:top])
+    labels = [_label(p) for p in shown]
+    fig, (rate, memory) = plt.subplots(1, 2, figsize=(10, 0.28 * len(shown) + 1.6), sharey=True)
+    ys = range(len(shown))
+    rate.barh(ys, [p.samples_per_s for p in shown], color="tab:blue", label="predicted")
+    for i, value in (measured or {}).items():
+        if i < len(shown):
+            rate.plot(value, i, "k|", markersize=12, mew=2, label="measured" if i == min(measured) else None)
+    memory.barh(ys, [p.peak_mib for p in shown], color="tab:orange")
+    rate.set_yticks(list(ys), labels, fontsize=7)
+    rate.invert_yaxis()
+    rate.set_xlabel("samples / s")
+    memory.set_xlabel("peak MiB (worst rank)")
+    rate.legend(fontsize=7, loc="lower right")
+    fig.suptitle("Planned configurations, best first", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
+    return png
+
+
+def _label(p: Prediction) -> str:
+    c = p.config
+    extra = (", recompute" if c.activation_checkpointing else "") + (", profile" if c.balance_mode != "uniform" else "")
+    return f"{c.schedule} pp{c.pipeline_parallel_size} v{c.stages_per_rank} m{c.n_microbatches}{extra}"
+
+
+def table(predictions: Sequence[Prediction], top: int, measured: dict[int, float] | None = None) -> str:
+    measured = measured or {}
+    lines = [
+        f"{'#':>3}  {'configuration':<44} {'step s':>8} {'samples/s':>10} {'peak MiB':>9}"
+        + ("  measured/s" if measured else "")
+    ]
+    for i, p in enumerate(predictions[:top]):
+        line = f"{i + 1:>3}  {_label(p):<44} {p.step_s:>8.4f} {p.samples_per_s:>10.1f} {p.peak_mib:>9.1f}"
+        lines.append(line + (f"  {measured[i]:>10.1f}" if i in measured else ""))
+    return "\n".join(lines)
+
+
+def verify(
+    predictions: Sequence[Prediction], k: int, overrides: Sequence[str], out: Path, steps: int
+) -> dict[int, float]:
+    """Run the first ``k`` configurations through ``lightning_pp.train`` (the user's overrides, the row's, a short
+    fit) and read the samples/s each measured."""
+    mine = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(("plan.", "costs"))]
+    mine = [o for o in mine if o.split("=")[0].lstrip("+~") not in {f"strategy.{k}" for k in _CHOSEN}]
+    short = [f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
+             "trainer.enable_progress_bar=false"]  # fmt: skip
+    measured = {}
+    for i, p in enumerate(predictions[:k]):
+        job = out / "verify" / str(i + 1)
+        command = [sys.executable, "-m", "lightning_pp.train", *mine, *short, *p.config.overrides().split()]
+        run = subprocess.run([*command, f"hydra.run.dir={job}"], capture_output=True, text=True)
+        if run.returncode != 0:
+            raise RuntimeError(f"Verifying plan row {i + 1} ({' '.join(command[3:])}) failed:\n{run.stderr[-3000:]}")
+        measured[i] = json.loads((job / "result.json").read_text())["samples_per_s"]
+    return measured
+
+
+def run(cfg: DictConfig) -> Path:
+    out = Path(HydraConfig.get().runtime.output_dir)
+    settings = cfg.plan
+    choices = {k: list(settings[k]) for k in ("schedules", "pipeline_sizes", "microbatches") if settings.get(k)}
+    choices["activation_checkpointing"] = list(settings.activation_checkpointing)
+    if cfg.get("costs"):
+        costs, machine = entered_costs(cfg.costs)
+        devices, batch_size = int(cfg.costs.devices), int(cfg.costs.batch_size)
+        log.warning("Planning from entered costs (%s): not validated on this machine.", cfg.costs.get("name", "costs"))
+    else:
+        check_config(cfg)
+        devices = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(cfg.trainer.devices)))  # what each rank gets
+        L.seed_everything(cfg.seed, verbose=False)
+        module = instantiate(cfg.model)
+        module.configure_model()
+        data = instantiate(cfg.data)
+        data.setup("fit")
+        batch = next(iter(data.train_dataloader()))
+        batch_size = batch_size_of(batch)
+        costs = profile_module(module, batch, cfg.strategy.layers, _profiled_sizes(batch_size))
+        machine = measure_machine(cfg.trainer.accelerator)
+    predictions = plan(costs, machine, devices, batch_size, settings.memory_limit_mib, **choices)
+    if not predictions:
+        raise ValueError(f"No configuration fits plan.memory_limit_mib={settings.memory_limit_mib}; raise it.")
+    measured = {}
+    if settings.verify_top:
+        measured = verify(
+            predictions, settings.verify_top, HydraConfig.get().overrides.task, out, settings.verify_steps
+        )
+    path = write_plan(predictions, out, measured)
+    plot_plan(predictions, out / "plan.png", measured=measured)
+    (out / "costs.json").write_text(
+        json.dumps({"machine": machine.__dict__, "devices": devices, "batch_size": batch_size}, indent=1)
+    )
+    print(table(predictions, settings.top, measured))
+    print(f"plan: {path}")
+    return path
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="plan")
+def main(cfg: DictConfig) -> None:
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()
