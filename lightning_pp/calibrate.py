@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class Machine:
     action_overhead_s: float  # beyond the computation, per forward or backward a stage runs
     step_overhead_s: float  # per training step beyond the schedule: Lightning's loop, the runner's bookkeeping
     base_bytes: int  # a rank's resident memory with torch, Lightning and the process group but no model
+    message_overhead_s: float = 0.0  # a rank's own time per send or receive it posts and waits on
 
     def message_s(self, nbytes: float) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
@@ -147,12 +149,25 @@ def _split_overheads(step_s: dict[int, float], latency_s: float) -> tuple[float,
         return simulate("1f1b", 2, m, Costs((action,) * 2, (action,) * 2, message=latency_s)).step_s
 
     ms = sorted(step_s)
-    path = [schedule_s(m, 1.0) - schedule_s(m, 0.0) for m in ms]  # actions on the critical path
-    rest = [step_s[m] - schedule_s(m, 0.0) for m in ms]
-    mean_x, mean_y = sum(path) / len(ms), sum(rest) / len(ms)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(path, rest)) / sum((x - mean_x) ** 2 for x in path)
-    action = max(slope, 0.0)
-    return action, max(mean_y - action * mean_x, 0.0)
+    rows = [[schedule_s(m, 1.0) - schedule_s(m, 0.0), 1.0] for m in ms]  # actions on the critical path; one step
+    per_action, per_step = fit_nonnegative(rows, [step_s[m] - schedule_s(m, 0.0) for m in ms])
+    return per_action, per_step
+
+
+def fit_nonnegative(rows: Sequence[Sequence[float]], values: Sequence[float]) -> list[float]:
+    """Least-squares coefficients, none negative (a negative one is fixed at 0 and the rest fitted again): the
+    costs per action, per message, per step that best explain ``values`` from how many of each ``rows`` has."""
+    free = list(range(len(rows[0])))
+    while True:
+        a = torch.tensor([[row[j] for j in free] for row in rows], dtype=torch.float64)
+        b = torch.tensor(list(values), dtype=torch.float64).unsqueeze(1)
+        solution = torch.linalg.lstsq(a, b, driver="gelsd").solution.squeeze(1).tolist()
+        if min(solution, default=0.0) >= 0 or len(free) == 1:
+            out = [0.0] * len(rows[0])
+            for j, x in zip(free, solution):
+                out[j] = max(x, 0.0)
+            return out
+        free.pop(solution.index(min(solution)))
 
 
 def _main(out: str, accelerator: str) -> None:

@@ -3,7 +3,8 @@
 
 It profiles the model once in this process (each layer's forward, backward and split backward at three
 micro-batch sizes, the activations each saves, its parameters, the optimizer's state and step), measures the
-machine once on two ranks (``calibrate``), simulates every configuration for the devices (``planner``) and
+machine once on two ranks (``calibrate``) and fits the runtime's cost per action and per step to two short runs of
+the model (``plan.calibrate_steps``), simulates every configuration for the devices (``planner``) and
 writes ``plan.csv`` (best first, each row with the overrides that run it), ``plan.png`` and a table, into the
 Hydra job's directory. ``plan.verify_top=K`` runs the first K through the app and adds what they measured.
 With ``costs=<entered>`` it plans hardware this machine does not have from numbers typed in (not validated).
@@ -15,9 +16,12 @@ import csv
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +32,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lightning_pp.calibrate import Machine, measure_machine
+from lightning_pp.calibrate import Machine, fit_nonnegative, measure_machine
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size_of, split_batch
-from lightning_pp.planner import ModelCosts, Prediction, plan
+from lightning_pp.partition import uniform_split
+from lightning_pp.planner import Config, ModelCosts, Prediction, plan, predict
 from lightning_pp.profiling import Segments, measure_segments
+from lightning_pp.schedule import check_microbatches
 from lightning_pp.stage import find_layers, patched
 from lightning_pp.train import check_config
 
@@ -49,7 +56,7 @@ _CHOSEN += ("activation_checkpointing",)
 
 def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int]) -> ModelCosts:
     """Costs of ``module``'s own training step on micro-batches of ``sizes`` samples cut from ``batch``, and of its
-    optimizer: one process, the module as it is (on the CPU here), left unchanged but for the optimizer's step."""
+    optimizer: one process, the module as it is (on the CPU here); its weights and gradients are left as they were."""
     blocks = find_layers(module, layers)
     full = batch_size_of(batch)
     measured = []
@@ -85,12 +92,10 @@ def _profiled_sizes(batch_size: int) -> list[int]:
 
 def _optimizer_costs(module: L.LightningModule, run_step: Any, repeats: int = 3) -> tuple[float, float]:
     """The optimizer's state bytes per parameter byte, and seconds per parameter byte of one step."""
-    import statistics
-    import time
-
     optimizer = _first_optimizer(module.configure_optimizers())
     params = [p for group in optimizer.param_groups for p in group["params"]]
     nbytes = sum(p.nbytes for p in params) or 1
+    before = [p.detach().clone() for p in params]
     run_step().backward()
     times = []
     for _ in range(repeats + 1):
@@ -99,6 +104,9 @@ def _optimizer_costs(module: L.LightningModule, run_step: Any, repeats: int = 3)
         times.append(time.perf_counter() - start)
     state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
     optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():  # the module leaves as it came
+        for p, value in zip(params, before):
+            p.copy_(value)
     return state / nbytes, statistics.median(times[1:]) / nbytes
 
 
@@ -217,23 +225,72 @@ def table(predictions: Sequence[Prediction], top: int, measured: dict[int, float
 
 
 def verify(
-    predictions: Sequence[Prediction], k: int, overrides: Sequence[str], out: Path, steps: int
+    predictions: Sequence[Prediction], k: int, overrides: Sequence[str], out: Path, steps: int, batch_size: int
 ) -> dict[int, float]:
     """Run the first ``k`` configurations through ``lightning_pp.train`` (the user's overrides, the row's, a short
-    fit) and read the samples/s each measured."""
+    fit) and read the samples/s each measured (over every replica, as predicted)."""
+    measured = {}
+    for i, p in enumerate(predictions[:k]):
+        step_s = _measured_step(p.config, overrides, out / "verify" / str(i + 1), steps, batch_size)
+        measured[i] = p.samples_per_s * p.step_s / step_s
+    return measured
+
+
+def calibrate_on_model(
+    costs: ModelCosts, machine: Machine, devices: int, batch_size: int, overrides: Sequence[str], out: Path, steps: int
+) -> Machine:
+    """The runtime's own time per action, per message and per step, fitted (least squares, through the simulator)
+    to three short runs of the model: 1F1B with the fewest and with the most micro-batches (up to 8 per stage),
+    and the interleaved zero-bubble schedule (two messages per forward, weight halves without any). The tiny model
+    of ``calibrate`` misses what grows with a real model: its optimizer's and Lightning's step, the runtime's
+    bookkeeping per action and per message."""
+    pp = min(p for p in range(2, devices + 1) if devices % p == 0)
+    v = 2 if costs.n_layers >= 2 * pp else 1
+    divisors = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    runs = [
+        Config(pp, "1f1b", 1, next((m for m in divisors if m >= pp), divisors[-1]), (), "uniform", False),
+        Config(pp, "1f1b", 1, max(m for m in divisors if m <= 8 * pp), (), "uniform", False),
+    ]
+    zero_bubble = [m for m in divisors if m <= 4 * pp * v and _accepted("interleaved_zb", m, pp, pp * v)]
+    if v == 2 and zero_bubble:
+        runs.append(Config(pp, "interleaved_zb", 2, max(zero_bubble), (), "uniform", False))
+    runs = [replace(c, balance=tuple(uniform_split(costs.n_layers, pp * c.stages_per_rank))) for c in runs]
+
+    def simulated(config: Config, action: float, message: float) -> float:
+        trial = replace(machine, action_overhead_s=action, message_overhead_s=message, step_overhead_s=0.0)
+        return predict(config, costs, trial, batch_size, devices).step_s
+
+    measured = [_measured_step(c, overrides, out / "calibrate" / str(i), steps, batch_size) for i, c in enumerate(runs)]
+    base = [simulated(c, 0.0, 0.0) for c in runs]
+    rows = [
+        [(simulated(c, 1e-3, 0.0) - b) / 1e-3, (simulated(c, 0.0, 1e-3) - b) / 1e-3, 1.0] for c, b in zip(runs, base)
+    ]
+    action, message, step = fit_nonnegative(rows, [m - b for m, b in zip(measured, base)])
+    log.info("Runtime costs fitted to %d runs of the model: %.3g ms per action, %.3g ms per message, %.3g ms per"
+             " step.", len(runs), 1e3 * action, 1e3 * message, 1e3 * step)  # fmt: skip
+    return replace(machine, action_overhead_s=action, message_overhead_s=message, step_overhead_s=step)
+
+
+def _accepted(schedule: str, m: int, pp: int, n_stages: int) -> bool:
+    try:
+        check_microbatches(schedule, m, pp, n_stages)
+    except PipelineConfigError:
+        return False
+    return True
+
+
+def _measured_step(config: Config, overrides: Sequence[str], job: Path, steps: int, batch_size: int) -> float:
+    """Seconds per step of ``config`` run through ``lightning_pp.train`` for ``steps`` steps with the user's
+    overrides (those the plan chooses, and the planner's own, left out); ``batch_size`` samples per replica."""
     mine = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(("plan.", "costs"))]
     mine = [o for o in mine if o.split("=")[0].lstrip("+~") not in {f"strategy.{k}" for k in _CHOSEN}]
     short = [f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
              "trainer.enable_progress_bar=false"]  # fmt: skip
-    measured = {}
-    for i, p in enumerate(predictions[:k]):
-        job = out / "verify" / str(i + 1)
-        command = [sys.executable, "-m", "lightning_pp.train", *mine, *short, *p.config.overrides().split()]
-        run = subprocess.run([*command, f"hydra.run.dir={job}"], capture_output=True, text=True)
-        if run.returncode != 0:
-            raise RuntimeError(f"Verifying plan row {i + 1} ({' '.join(command[3:])}) failed:\n{run.stderr[-3000:]}")
-        measured[i] = json.loads((job / "result.json").read_text())["samples_per_s"]
-    return measured
+    command = [sys.executable, "-m", "lightning_pp.train", *mine, *short, *config.overrides().split()]
+    run = subprocess.run([*command, f"hydra.run.dir={job}"], capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"Running {' '.join(command[3:])} failed:\n{run.stderr[-3000:]}")
+    return batch_size / json.loads((job / "result.json").read_text())["samples_per_s"]
 
 
 def run(cfg: DictConfig) -> Path:
@@ -241,6 +298,7 @@ def run(cfg: DictConfig) -> Path:
     settings = cfg.plan
     choices = {k: list(settings[k]) for k in ("schedules", "pipeline_sizes", "microbatches") if settings.get(k)}
     choices["activation_checkpointing"] = list(settings.activation_checkpointing)
+    overrides = list(HydraConfig.get().overrides.task)
     if cfg.get("costs"):
         costs, machine = entered_costs(cfg.costs)
         devices, batch_size = int(cfg.costs.devices), int(cfg.costs.batch_size)
@@ -258,14 +316,14 @@ def run(cfg: DictConfig) -> Path:
         batch_size = batch_size_of(batch)
         costs = profile_module(module, batch, cfg.strategy.layers, _profiled_sizes(batch_size))
         machine = measure_machine(cfg.trainer.accelerator)
+        if settings.calibrate_steps:
+            machine = calibrate_on_model(costs, machine, devices, batch_size, overrides, out, settings.calibrate_steps)
     predictions = plan(costs, machine, devices, batch_size, settings.memory_limit_mib, **choices)
     if not predictions:
         raise ValueError(f"No configuration fits plan.memory_limit_mib={settings.memory_limit_mib}; raise it.")
     measured = {}
     if settings.verify_top:
-        measured = verify(
-            predictions, settings.verify_top, HydraConfig.get().overrides.task, out, settings.verify_steps
-        )
+        measured = verify(predictions, settings.verify_top, overrides, out, settings.verify_steps, batch_size)
     path = write_plan(predictions, out, measured)
     plot_plan(predictions, out / "plan.png", measured=measured)
     (out / "costs.json").write_text(

@@ -23,6 +23,7 @@ from lightning_pp.schedule import (
     V_SHAPED,
     check_microbatches,
     normalize_schedule,
+    rank_of_stage,
     stages_of_rank,
 )
 from lightning_pp.simulate import Costs, Simulation, activation_peak, rank_actions, simulate
@@ -151,14 +152,17 @@ def predict(config: Config, costs: ModelCosts, machine: Machine, batch_size: int
     stages = _stage_segments(config.balance, costs.n_layers)
     layers = set(range(1, costs.n_layers + 1))
     recomputed = layers if config.activation_checkpointing else set()
-    overhead = machine.action_overhead_s
+    # a forward or backward receives from, and sends to, each neighbour stage on another rank: its own time too
+    rank = [rank_of_stage(config.schedule, s, pp) for s in range(len(stages))]
+    crossings = [sum(0 <= t < len(rank) and rank[t] != rank[s] for t in (s - 1, s + 1)) for s in range(len(rank))]
 
-    def per_stage(column: Sequence[float], plus_recompute: bool = False) -> tuple[float, ...]:
+    def per_stage(column: Sequence[float], plus_recompute: bool = False, messages: bool = True) -> tuple[float, ...]:
         return tuple(
-            overhead
+            machine.action_overhead_s
+            + (machine.message_overhead_s * crossings[s] if messages else 0.0)
             + sum(column[k] for k in ks)
             + (sum(segments.forward[k] for k in ks if k in recomputed) if plus_recompute else 0.0)
-            for ks in stages
+            for s, ks in enumerate(stages)
         )
 
     cuts = [segments.boundary_bytes[ks[-1]] for ks in stages[:-1]]
@@ -170,7 +174,7 @@ def predict(config: Config, costs: ModelCosts, machine: Machine, batch_size: int
             per_stage(segments.forward),
             per_stage(segments.backward, plus_recompute=True),
             per_stage(segments.input_grad, plus_recompute=True),
-            per_stage(segments.weight_grad),
+            per_stage(segments.weight_grad, messages=False),
             message=machine.message_s(max(cuts, default=0.0)),
         ),
         v,

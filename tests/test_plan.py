@@ -19,7 +19,7 @@ from lightning_pp import PipelineStrategy
 from lightning_pp.calibrate import Machine
 from lightning_pp.examples.gpt import GPT
 from lightning_pp.partition import uniform_split
-from lightning_pp.plan import COLUMNS, entered_costs, profile_module
+from lightning_pp.plan import COLUMNS, entered_costs, plan_module, profile_module
 from lightning_pp.planner import Config, ModelCosts, configurations, plan, predict
 from lightning_pp.schedule import check_microbatches, resolve_stages_per_rank
 
@@ -142,3 +142,17 @@ def test_the_planner_app_writes_a_ranked_plan_whose_rows_run(tmp_path):
     ran = json.loads((tmp_path / "verify" / "1" / "result.json").read_text())  # the first row, through the app
     assert (ran["schedule"], ran["n_microbatches"]) == (rows[0]["schedule"], int(rows[0]["n_microbatches"]))
     assert (tmp_path / "plan.png").stat().st_size > 0
+
+
+def test_plan_module_plans_a_lightning_module_from_python():
+    model = GPT(vocab=64, dim=32, n_layers=4, n_heads=2, seq_len=16)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = plan_module(model, tokens(8, 16, 64), devices=4, machine=QUIET, schedules=["1f1b", "interleaved_1f1b"],
+                       microbatches=[4, 8], activation_checkpointing=[False])  # fmt: skip
+    assert {(p.config.schedule, p.config.pipeline_parallel_size) for p in rows} == {
+        ("1f1b", 2), ("1f1b", 4), ("interleaved_1f1b", 2)}  # fmt: skip
+    assert {p.config.data_parallel for p in rows if p.config.pipeline_parallel_size == 2} == {"ddp", "fsdp"}
+    assert all(p.config.n_microbatches in (4, 8) for p in rows)
+    # profiled, not trained: the module leaves as it came
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
