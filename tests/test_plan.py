@@ -16,7 +16,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 from lightning_pp import PipelineStrategy
-from lightning_pp.calibrate import Machine
+from lightning_pp.calibrate import Machine, fit_nonnegative
 from lightning_pp.examples.gpt import GPT
 from lightning_pp.partition import uniform_split
 from lightning_pp.plan import COLUMNS, entered_costs, plan_module, profile_module
@@ -121,12 +121,15 @@ def test_entered_costs_plan_hardware_this_machine_does_not_have():
     assert rows and all(p.peak_mib <= 80 * 1024 for p in rows)
     # 70B of bf16 weights with fp32 Adam state fit 80 GB ranks only with the optimizer state sharded over replicas
     assert {p.config.data_parallel for p in rows} == {"fsdp"}
-    assert rows[0].samples_per_s == pytest.approx(64 * 4 / rows[0].step_s)  # 4 replicas of 16 ranks
+    best = rows[0]
+    replicas = 64 // best.config.pipeline_parallel_size
+    assert best.samples_per_s == pytest.approx(64 * replicas / best.step_s)  # every replica's batch
 
 
 def test_the_planner_app_writes_a_ranked_plan_whose_rows_run(tmp_path):
     overrides = ["plan.schedules=[1f1b,gpipe,zbv]", "plan.microbatches=[2,4]", "plan.activation_checkpointing=[false]",
-                 "plan.verify_top=1", "plan.verify_steps=6", "plan.top=5", "data.n_train=128"]  # fmt: skip
+                 "plan.verify_top=1", "plan.verify_steps=6", "plan.calibrate_steps=6", "plan.top=5",
+                 "data.n_train=128"]  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "lightning_pp.plan", *overrides, f"hydra.run.dir={tmp_path}"],
                          env=child_env(), capture_output=True, text=True, timeout=400)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
@@ -142,6 +145,11 @@ def test_the_planner_app_writes_a_ranked_plan_whose_rows_run(tmp_path):
     ran = json.loads((tmp_path / "verify" / "1" / "result.json").read_text())  # the first row, through the app
     assert (ran["schedule"], ran["n_microbatches"]) == (rows[0]["schedule"], int(rows[0]["n_microbatches"]))
     assert (tmp_path / "plan.png").stat().st_size > 0
+    # the runtime's costs were fitted to three runs of this model: 1F1B with few and many micro-batches, and ZB
+    ran = [json.loads((tmp_path / "calibrate" / str(i) / "result.json").read_text()) for i in range(3)]
+    assert [(r["schedule"], r["n_microbatches"]) for r in ran] == [("1f1b", 2), ("1f1b", 16), ("interleaved_zb", 16)]
+    machine = json.loads((tmp_path / "costs.json").read_text())["machine"]
+    assert min(machine.values()) >= 0 and machine["step_overhead_s"] + machine["message_overhead_s"] > 0
 
 
 def test_plan_module_plans_a_lightning_module_from_python():
@@ -156,3 +164,14 @@ def test_plan_module_plans_a_lightning_module_from_python():
     # profiled, not trained: the module leaves as it came
     assert all(p.grad is None for p in model.parameters())
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+
+
+def test_runtime_costs_are_fitted_none_negative():
+    # actions, messages, one step -> seconds: exact where the runs determine them
+    rows = [[10, 4, 1], [40, 16, 1], [30, 40, 1]]
+    truth = [2e-4, 5e-4, 3e-3]
+    values = [sum(r * t for r, t in zip(row, truth)) for row in rows]
+    assert fit_nonnegative(rows, values) == pytest.approx(truth)
+    # a negative coefficient is fixed at zero and the rest refitted
+    fitted = fit_nonnegative(rows, [v - 4e-4 * row[0] for v, row in zip(values, rows)])
+    assert fitted[0] == 0.0 and min(fitted) >= 0
