@@ -79,8 +79,9 @@ def main() -> None:
     for p in fitting[:8]:
         c = p.config
         cells = [c.schedule, c.pipeline_parallel_size, devices // c.pipeline_parallel_size, c.data_parallel,
-                 c.stages_per_rank, c.n_microbatches, c.balance_mode, "yes" if c.activation_checkpointing else "no", f"{p.step_s:.2f}",
-                 f"{p.samples_per_s:.2f}", f"{p.peak_mib / 1024:.1f}", f"{max(p.bubble):.3f}"]  # fmt: skip
+                 c.stages_per_rank, c.n_microbatches, c.balance_mode, "yes" if c.activation_checkpointing else "no",
+                 f"{p.step_s:.2f}", f"{p.samples_per_s:.2f}", f"{p.peak_mib / 1024:.1f}",
+                 f"{max(p.bubble):.3f}"]  # fmt: skip
         print("| " + " | ".join(map(str, cells)) + " |")
 
 
