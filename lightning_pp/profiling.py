@@ -56,12 +56,7 @@ def profile_costs(
     buffers such as running statistics, the random state).
     """
     device = next(module.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def now() -> float:
-        sync()
-        return time.perf_counter()
-
+    now = _clock(device)
     with _untouched(module, device):
         # validation may come first: its batch is an inference tensor, which autograd cannot save
         args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
@@ -87,6 +82,17 @@ def flops_of(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any]) ->
     """FLOPs of ``run_forward`` and its backward (on meta tensors) per layer and before and after them."""
     with FlopCounterMode(display=False) as counter, torch.enable_grad():
         return _timed_run(layers, run_forward, lambda: float(counter.get_total_flops())).costs()
+
+
+def _clock(device: torch.device) -> Callable[[], float]:
+    """Seconds, once the device's queued work is done."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def now() -> float:
+        sync()
+        return time.perf_counter()
+
+    return now
 
 
 @contextlib.contextmanager
@@ -224,12 +230,7 @@ def measure_segments(
     """Time and count one micro-batch of ``size`` samples through ``run_step`` (the user's step, returning its
     loss) on a real module in one process; the module's gradients, buffers and random state stay as they were."""
     device = next(module.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def now() -> float:
-        sync()
-        return time.perf_counter()
-
+    now = _clock(device)
     with _untouched(module, device):
         inputs: dict[int, tuple[tuple, dict]] = {}
         with _layer_inputs(layers, inputs), _SavedBytes(module, layers) as counted:
