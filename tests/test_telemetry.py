@@ -68,15 +68,16 @@ def test_timeline_follows_the_schedule(tmp_path, schedule):
         assert busy + waited <= span * 1.001, (stage, busy, waited, span)
         assert busy + waited >= 0.7 * span, (stage, busy, waited, span)
         print(f"{schedule} stage {stage}: unaccounted {1 - (busy + waited) / span:.1%} of the span")
-    # the simulator replaying what each action took explains most of the step: it leaves out the messages' own time
-    # (0.70-0.85 of the step explained on a quiet machine, steps of 5-10 ms; less when the OS takes a core away)
+    # the simulator replaying what each action took explains most of the step; it leaves out each send's and
+    # receive's own time (~0.6 ms here, as the planner fits it: 8 of them per rank in GPipe's 5-10 ms step), so
+    # 0.52-0.85 of the step is explained on this 2-core machine, less when the OS takes a core away
     recorded = [Event(e["tid"], e["name"][0] if e["cat"] != "wait" else "P", e["args"]["microbatch"], e["ts"] * 1e-6,
                       (e["ts"] + e["dur"]) * 1e-6, e["args"]["chunk"]) for e in trace["traceEvents"]]  # fmt: skip
     computed = [e for e in recorded if e.kind != "P"]
     measured = max(e.end for e in computed) - min(e.start for e in computed)
     replayed = replay(recorded, schedule, 2, M, 2 if schedule == "zbv" else 1).step_s
     print(f"{schedule}: replayed step {replayed:.4f} s of {measured:.4f} s measured")
-    assert 0.5 * measured <= replayed <= 1.02 * measured
+    assert 0.4 * measured <= replayed <= 1.02 * measured
     logged = [r for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
     assert logged and all(0 <= r["pipeline/bubble"] < 1 and r["pipeline/samples_per_s"] > 0 for r in logged)
     assert all(r["pipeline/stage1_compute_s"] > 0 for r in logged)
