@@ -67,7 +67,9 @@ def _unpack(saved: object) -> torch.Tensor:
 
 class _Saved:
     def __init__(self, owner: SavedActivations, key: int, tensor: torch.Tensor) -> None:
-        self.owner, self.key, self.tensor = owner, key, tensor
+        # detached: a saved output holding its own grad_fn would make a cycle through autograd's C++ graph that
+        # nothing frees where a split backward retains the graph (zero-bubble and V schedules)
+        self.owner, self.key, self.tensor = owner, key, tensor.detach()
 
     def __del__(self) -> None:
         self.owner._release(self.key)
