@@ -175,3 +175,20 @@ def test_runtime_costs_are_fitted_none_negative():
     # a negative coefficient is fixed at zero and the rest refitted
     fitted = fit_nonnegative(rows, [v - 4e-4 * row[0] for v, row in zip(values, rows)])
     assert fitted[0] == 0.0 and min(fitted) >= 0
+
+
+def test_zbv_leaves_nothing_between_steps_and_peaks_as_predicted(tmp_path, benchmark_costs):
+    # benchmarks/memory.py's count, live, for the schedule whose split backward retains graphs: what the user's step
+    # returned used to keep its graph (and what the input half retained) until the next step
+    out = tmp_path / "memory.json"
+    env = {**child_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT}"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    run = subprocess.run([*command, str(ROOT / "benchmarks/run_memory.py"), "zbv", "8", "3", str(out)], env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = json.loads(out.read_text())
+    config = Config(2, "zbv", 2, 8, (2, 2, 2, 2), "uniform", False)
+    predicted = predict(config, benchmark_costs, QUIET, 32, 2).activation_bytes
+    assert measured["peak_bytes_per_stage"] == pytest.approx(predicted, rel=0.10)
+    # what is alive when a step starts: a few receive buffers, not a step's activations (6.3 MB a stage-micro-batch)
+    assert max(measured["held_bytes_per_stage"]) < 6e6
