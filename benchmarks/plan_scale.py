@@ -18,9 +18,9 @@ from pathlib import Path
 from common import machine
 from hydra import compose, initialize_config_module
 
-from lightning_pp.plan import entered_costs
-from lightning_pp.planner import configurations, plan
-from lightning_pp.simulate import Costs, simulate
+from lightning_pp.plan.app import entered_costs
+from lightning_pp.plan.planner import configurations, plan
+from lightning_pp.plan.simulate import Costs, simulate
 
 HERE = Path(__file__).parent
 

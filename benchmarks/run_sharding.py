@@ -31,8 +31,8 @@ from common import proc_kib
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
-from lightning_pp.dtensors import local_tensor
 from lightning_pp.examples.gpt import GPT
+from lightning_pp.layout.dtensors import local_tensor
 
 
 def _restart_peak() -> None:

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineMonitor
 from lightning_pp.examples.gpt import GPT
-from lightning_pp.telemetry import gantt_png
+from lightning_pp.runtime.telemetry import gantt_png
 
 
 class LastTwoSteps(L.Callback):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from common import WARMUP, launch, machine, median_spread, step_times
 
-from lightning_pp.schedule import SCHEDULES
+from lightning_pp.layout.schedule import SCHEDULES
 
 HERE = Path(__file__).parent
 

@@ -75,7 +75,7 @@ def predicted_stage_params() -> list[dict[str, int]]:
     """Each stage's parameters from the model built on meta and the uniform split: the stage's layers, the
     embedding on the first stage, the final norm and head on the last."""
     from lightning_pp.examples.gpt import GPT
-    from lightning_pp.partition import uniform_split
+    from lightning_pp.split.partition import uniform_split
 
     with torch.device("meta"):
         model = GPT(**{k: CONFIG[k] for k in ("vocab", "dim", "n_layers", "n_heads", "seq_len")})

@@ -7,10 +7,10 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.failure import PipelinePeerError
-from lightning_pp.materialize import empty_weights, materialize, name_seed
+from lightning_pp.lifecycle.failure import PipelinePeerError
+from lightning_pp.memory.materialize import empty_weights, materialize, name_seed
+from lightning_pp.runtime.weighting import label_tokens
 from lightning_pp.strategy import PipelineStrategy
-from lightning_pp.weighting import label_tokens
 
 __all__ = [
     "PipelineConfigError",

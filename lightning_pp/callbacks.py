@@ -11,9 +11,9 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
-from lightning_pp.microbatch import batch_size_of, tokens_in
+from lightning_pp.runtime.telemetry import Event, chrome_trace, gantt_png, summarize
+from lightning_pp.split.microbatch import batch_size_of, tokens_in
 from lightning_pp.strategy import PipelineStrategy
-from lightning_pp.telemetry import Event, chrome_trace, gantt_png, summarize
 
 
 class PipelineMonitor(Callback):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from lightning_pp.checkpoint import is_sharded, load_sharded
+from lightning_pp.checkpoints.formats import is_sharded, load_sharded
 
 
 def consolidate(src: Path, dst: Path) -> Path:

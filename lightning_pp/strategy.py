@@ -28,28 +28,25 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pp.allocator import prepare_process, return_freed_tensors
-from lightning_pp.checkpoint import (
+from lightning_pp.checkpoints.formats import (
     check_state_dict_type,
     gather_model_state,
     is_complete,
     save_sharded,
 )
-from lightning_pp.dtensors import has_dtensors
-from lightning_pp.exit import close_process_groups_at_exit
-from lightning_pp.grads import StepGradients, add_gradients, step_gradients, window_starts
-from lightning_pp.holding import Holding
-from lightning_pp.launch import PipelineLauncher
-from lightning_pp.materialize import InitFn, check_initializers, check_materialized, empty_weights
-from lightning_pp.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
-from lightning_pp.metrics import load_states, sync_metrics_over
-from lightning_pp.microbatch import batch_size_of, seeded_shuffle, split_batch
-from lightning_pp.partition import Balance, check_balance_mode
-from lightning_pp.planning import check_module, check_split, check_training_setup, learn_placement
-from lightning_pp.precision import count_once, loss_multiplier, pipeline_precision
-from lightning_pp.relay import ReportRelay, predictions_to_first_stage, quiet_sync_advice, replay
-from lightning_pp.restore import PendingRestore, check_state_keys, open_checkpoint
-from lightning_pp.schedule import (
+from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, open_checkpoint
+from lightning_pp.checkpoints.swap import fault_point, swapped_in
+from lightning_pp.holding.sharding import (
+    DataParallel,
+    Reshard,
+    check_no_user_sharding,
+    check_parallelism,
+    mixed_precision_policy,
+)
+from lightning_pp.holding.stages import Holding
+from lightning_pp.layout.dtensors import has_dtensors
+from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
+from lightning_pp.layout.schedule import (
     SPLIT_BACKWARD,
     check_loaders,
     check_microbatches,
@@ -57,20 +54,17 @@ from lightning_pp.schedule import (
     normalize_schedule,
     resolve_stages_per_rank,
 )
-from lightning_pp.sharding import (
-    DataParallel,
-    Reshard,
-    check_no_user_sharding,
-    check_parallelism,
-    mixed_precision_policy,
-)
-from lightning_pp.stage import Placement, model_entries
-from lightning_pp.step import PipelineRunner
-from lightning_pp.swap import fault_point, swapped_in
-from lightning_pp.telemetry import Event
-from lightning_pp.tied import share_parameters
-from lightning_pp.traced import Tracer
-from lightning_pp.twobw import (
+from lightning_pp.lifecycle.exit import close_process_groups_at_exit
+from lightning_pp.lifecycle.launch import PipelineLauncher
+from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
+from lightning_pp.memory.materialize import InitFn, check_initializers, check_materialized, empty_weights
+from lightning_pp.runtime.grads import StepGradients, add_gradients, step_gradients, window_starts
+from lightning_pp.runtime.metrics import load_states, sync_metrics_over
+from lightning_pp.runtime.precision import count_once, loss_multiplier, pipeline_precision
+from lightning_pp.runtime.relay import ReportRelay, predictions_to_first_stage, quiet_sync_advice, replay
+from lightning_pp.runtime.step import PipelineRunner
+from lightning_pp.runtime.telemetry import Event
+from lightning_pp.runtime.twobw import (
     check_2bw,
     check_optimizers,
     end_window,
@@ -79,7 +73,13 @@ from lightning_pp.twobw import (
     runner_for,
     stash_older,
 )
-from lightning_pp.weighting import MicrobatchWeight, WindowWeights, weights_of
+from lightning_pp.runtime.weighting import MicrobatchWeight, WindowWeights, weights_of
+from lightning_pp.split.microbatch import batch_size_of, seeded_shuffle, split_batch
+from lightning_pp.split.partition import Balance, check_balance_mode
+from lightning_pp.split.planning import check_module, check_split, check_training_setup, learn_placement
+from lightning_pp.split.stage import Placement, model_entries
+from lightning_pp.split.tied import share_parameters
+from lightning_pp.split.traced import Tracer
 
 
 class PipelineStrategy(ParallelStrategy):

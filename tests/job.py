@@ -48,8 +48,8 @@ from models import (  # noqa: E402
 )
 
 import lightning_pp  # noqa: E402,F401
-from lightning_pp.dtensors import local_tensor  # noqa: E402
-from lightning_pp.weighting import label_tokens  # noqa: E402
+from lightning_pp.layout.dtensors import local_tensor  # noqa: E402
+from lightning_pp.runtime.weighting import label_tokens  # noqa: E402
 
 MODELS = {
     "tiny": TinyGPT,

@@ -13,8 +13,8 @@ from models import TinyGPT
 from test_errors import assert_all_ranks_gone
 from test_parity import LOSS_TOL
 
+from lightning_pp.checkpoints.swap import FAULT_ENV, NO_EXCHANGE_ENV
 from lightning_pp.consolidate import consolidate
-from lightning_pp.swap import FAULT_ENV, NO_EXCHANGE_ENV
 
 BASE = dict(batch=8, n_train=64, sanity=0, n_val=16, max_epochs=3)
 

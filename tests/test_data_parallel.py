@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import HERE, ok, run_job, run_two_nodes
 
-from lightning_pp.mesh import Layout, make_layout
+from lightning_pp.layout.mesh import Layout, make_layout
 
 TOL, PARAM_TOL = 2e-4, 1e-6
 COMMON = dict(batch=8, n_train=64, n_val=32, sync_dist=True, max_steps=6, max_epochs=3, sanity=0)

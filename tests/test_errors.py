@@ -11,9 +11,9 @@ from conftest import run_job
 from models import TinyGPT
 
 from lightning_pp import PipelineConfigError, PipelineStrategy
-from lightning_pp.mesh import make_layout
-from lightning_pp.planning import check_module, check_training_setup
-from lightning_pp.twobw import check_optimizers, look_ahead
+from lightning_pp.layout.mesh import make_layout
+from lightning_pp.runtime.twobw import check_optimizers, look_ahead
+from lightning_pp.split.planning import check_module, check_training_setup
 
 
 class _Unsized(torch.utils.data.IterableDataset):

@@ -17,7 +17,7 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.train import check_config
+from lightning_pp.train.app import check_config
 
 QUICK = ["trainer.max_epochs=1", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
          "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",

@@ -114,7 +114,7 @@ def test_a_module_that_cannot_be_built_on_meta_stops_every_rank_with_the_fix(tmp
 HEAP_PROGRAM = """
 import torch
 from torch import nn
-from lightning_pp import allocator
+from lightning_pp.memory import allocator
 
 class Stage:  # what allocator.trim_before_backward reads of torch's PipelineStage
     def __init__(self, weights):

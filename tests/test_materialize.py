@@ -11,10 +11,10 @@ from torch import nn
 
 from lightning_pp import PipelineConfigError, empty_weights, materialize
 from lightning_pp.examples.gpt import GPT
-from lightning_pp.materialize import check_initializers, on_meta
-from lightning_pp.planning import learn_placement
-from lightning_pp.profiling import count_flops
-from lightning_pp.stage import find_layers, prune_to_stages
+from lightning_pp.memory.materialize import check_initializers, on_meta
+from lightning_pp.split.planning import learn_placement
+from lightning_pp.split.profiling import count_flops
+from lightning_pp.split.stage import find_layers, prune_to_stages
 
 CPU = torch.device("cpu")
 CFG = dict(vocab=48, dim=32, n_layers=6, n_heads=4, seq_len=8)

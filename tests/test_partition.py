@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from lightning_pp.partition import Costs, min_max_split, resolve_balance, stage_of_each_layer, uniform_split
+from lightning_pp.split.partition import Costs, min_max_split, resolve_balance, stage_of_each_layer, uniform_split
 
 
 def brute_force(costs, n_stages, first=0.0, last=0.0):

@@ -16,12 +16,12 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 from lightning_pp import PipelineStrategy
-from lightning_pp.calibrate import Machine, fit_nonnegative
 from lightning_pp.examples.gpt import GPT
-from lightning_pp.partition import uniform_split
-from lightning_pp.plan import COLUMNS, entered_costs, plan_module, profile_module
-from lightning_pp.planner import Config, ModelCosts, configurations, plan, predict
-from lightning_pp.schedule import check_microbatches, resolve_stages_per_rank
+from lightning_pp.layout.schedule import check_microbatches, resolve_stages_per_rank
+from lightning_pp.plan.app import COLUMNS, entered_costs, plan_module, profile_module
+from lightning_pp.plan.calibrate import Machine, fit_nonnegative
+from lightning_pp.plan.planner import Config, ModelCosts, configurations, plan, predict
+from lightning_pp.split.partition import uniform_split
 
 ROOT = Path(__file__).parents[1]
 # benchmarks/common.py's model and batch, which benchmarks/memory.py measured

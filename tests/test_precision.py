@@ -17,7 +17,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from test_parity import assert_same_logs, common
 
 from lightning_pp import PipelineConfigError
-from lightning_pp.precision import loss_multiplier, pipeline_precision
+from lightning_pp.runtime.precision import loss_multiplier, pipeline_precision
 
 FP16_TOL = 1e-2
 FP16 = dict(precision="16-mixed-cpu", sanity=0, n_val=16)

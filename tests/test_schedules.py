@@ -6,7 +6,7 @@ import pytest
 from conftest import ok, run_job
 from test_parity import LOSS_TOL, assert_exact_parameters, assert_same_logs, common
 
-from lightning_pp.schedule import V_SHAPED
+from lightning_pp.layout.schedule import V_SHAPED
 
 MULTI_STAGE = ("interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
 

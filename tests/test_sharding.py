@@ -9,7 +9,7 @@ from models import TinyGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
 from test_tied import assert_state_equal, assert_tied, combined
 
-from lightning_pp.checkpoint import load_sharded
+from lightning_pp.checkpoints.formats import load_sharded
 from lightning_pp.consolidate import consolidate
 
 PARAM_TOL = 1e-5

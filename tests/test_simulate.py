@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_pp.simulate import Costs, rank_actions, replay, simulate
+from lightning_pp.plan.simulate import Costs, rank_actions, replay, simulate
 
 
 def uniform(pp: int, v: int, forward: float = 1.0, backward: float = 2.0, weight: float = 1.0) -> Costs:

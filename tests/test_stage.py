@@ -12,8 +12,8 @@ from models import ListGPT, TinyGPT  # noqa: E402
 
 from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
-from lightning_pp.recompute import checkpoint_layers  # noqa: E402
-from lightning_pp.stage import (  # noqa: E402
+from lightning_pp.memory.recompute import checkpoint_layers  # noqa: E402
+from lightning_pp.split.stage import (  # noqa: E402
     Tie,
     find_layers,
     plan_placement,

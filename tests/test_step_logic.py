@@ -5,9 +5,7 @@ import torch
 from torch import nn
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import capture_model_call, split_batch
-from lightning_pp.relay import LogRecord, LogRecorder, combine
-from lightning_pp.schedule import (
+from lightning_pp.layout.schedule import (
     SCHEDULES,
     check_batch_size,
     check_microbatches,
@@ -17,6 +15,8 @@ from lightning_pp.schedule import (
     resolve_stages_per_rank,
     stages_of_rank,
 )
+from lightning_pp.runtime.relay import LogRecord, LogRecorder, combine
+from lightning_pp.split.microbatch import capture_model_call, split_batch
 
 
 def test_split_dict_batch_replicates_non_tensor_leaves():
@@ -161,7 +161,7 @@ def test_unsupported_log_values_and_reductions_are_named():
 
 
 def test_activations_replace_the_leading_inputs_positional_or_keyword():
-    from lightning_pp.step import replace_leading_inputs
+    from lightning_pp.split.pruned import replace_leading_inputs
 
     class Net(nn.Module):
         def forward(self, input_ids, mask=None, scale=1.0):

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import lightning_pp.swap as swap
-from lightning_pp.checkpoint import META_FILE, is_complete
-from lightning_pp.swap import FAULT_ENV, NO_EXCHANGE_ENV, fault_point, recover, swapped_in
+import lightning_pp.checkpoints.swap as swap
+from lightning_pp.checkpoints.formats import META_FILE, is_complete
+from lightning_pp.checkpoints.swap import FAULT_ENV, NO_EXCHANGE_ENV, fault_point, recover, swapped_in
 
 POINTS = ["start", "torn", "written", "swapped", "landed"]
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import ok, run_job
 
-from lightning_pp.simulate import replay
-from lightning_pp.telemetry import Event
+from lightning_pp.plan.simulate import replay
+from lightning_pp.runtime.telemetry import Event
 
 M = 4
 

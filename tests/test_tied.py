@@ -10,7 +10,7 @@ from conftest import ok, run_job
 from job import TiedGPT
 from test_parity import LOSS_TOL, PARAM_TOL, assert_exact_parameters, assert_same_logs, common
 
-from lightning_pp.checkpoint import load_sharded
+from lightning_pp.checkpoints.formats import load_sharded
 
 TIED = dict(model="tied", optimizer="sgd", lr=0.5, clip=0.05, batch=8, n_train=32, n_val=16)
 REPLICAS = dict(TIED, devices=4, pp=2, sync_dist=True, n_train=64, max_steps=6)

@@ -14,9 +14,9 @@ from torch import nn
 from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import ModelCall
-from lightning_pp.stage import stage_view
-from lightning_pp.traced import traced_placement
+from lightning_pp.split.microbatch import ModelCall
+from lightning_pp.split.stage import stage_view
+from lightning_pp.split.traced import traced_placement
 
 GPT2 = dict(model="gpt2", layers="model.transformer.h", split="trace", optimizer="sgd", lr=0.5, n_val=16)
 TIE = ("model.transformer.wte.weight", "model.lm_head.weight")

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.dtensors import full_value
+from lightning_pp.checkpoints.swap import fault_point
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.swap import fault_point
+from lightning_pp.layout.dtensors import full_value
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,16 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from lightning_pp.checkpoint import META_FILE, OptimizerLayout, is_complete, is_sharded, one_process_optimizer_state
-from lightning_pp.dtensors import local_tensor, shard_like
+from lightning_pp.checkpoints.formats import (
+    META_FILE,
+    OptimizerLayout,
+    is_complete,
+    is_sharded,
+    one_process_optimizer_state,
+)
+from lightning_pp.checkpoints.swap import recover
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.swap import recover
+from lightning_pp.layout.dtensors import local_tensor, shard_like
 
 
 @dataclass

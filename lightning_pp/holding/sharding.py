@@ -25,13 +25,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 
-from lightning_pp.dtensors import has_dtensors
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.materialize import InitFn, materialize
-from lightning_pp.schedule import SPLIT_BACKWARD, normalize_schedule
-from lightning_pp.stage import Placement, find_layers, get_path
-from lightning_pp.step import StageModules, pruned_stages
-from lightning_pp.tied import place_stand_ins
+from lightning_pp.layout.dtensors import has_dtensors
+from lightning_pp.layout.schedule import SPLIT_BACKWARD, normalize_schedule
+from lightning_pp.memory.materialize import InitFn, materialize
+from lightning_pp.split.pruned import StageModules, pruned_stages
+from lightning_pp.split.stage import Placement, find_layers, get_path
+from lightning_pp.split.tied import place_stand_ins
 
 DataParallel = Literal["ddp", "fsdp"]
 Reshard = Literal["step", "microbatch"]

@@ -18,19 +18,19 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pp.checkpoint import (
+from lightning_pp.checkpoints.formats import (
     OptimizerLayout,
     gather_optimizer_state,
     keep_local_parameters,
     optimizer_state_by_name,
 )
-from lightning_pp.materialize import InitFn, materialize
-from lightning_pp.recompute import checkpoint_layers
-from lightning_pp.restore import PendingRestore, restore_stage
-from lightning_pp.sharding import repoint_optimizers, shard_pruned_stages
-from lightning_pp.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
-from lightning_pp.step import StageModules, pruned_stages
-from lightning_pp.traced import Tracer
+from lightning_pp.checkpoints.restore import PendingRestore, restore_stage
+from lightning_pp.holding.sharding import repoint_optimizers, shard_pruned_stages
+from lightning_pp.memory.materialize import InitFn, materialize
+from lightning_pp.memory.recompute import checkpoint_layers
+from lightning_pp.split.pruned import StageModules, pruned_stages
+from lightning_pp.split.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
+from lightning_pp.split.traced import Tracer
 
 
 @dataclass

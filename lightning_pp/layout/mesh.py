@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.schedule import rank_of_stage, stages_of_rank
+from lightning_pp.layout.schedule import rank_of_stage, stages_of_rank
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ import torch
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_pp.dtensors import local_tensor
+from lightning_pp.layout.dtensors import local_tensor
 
 MMAP_THRESHOLD = 4 * 2**20
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h

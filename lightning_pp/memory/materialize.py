@@ -22,8 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from lightning_pp.dtensors import whole_parameters
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.dtensors import whole_parameters
 
 InitFn = Callable[[nn.Module, str], None]
 

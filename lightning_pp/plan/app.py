@@ -32,15 +32,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lightning_pp.calibrate import Machine, fit_nonnegative, measure_machine
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import batch_size_of, split_batch
-from lightning_pp.partition import uniform_split
-from lightning_pp.planner import Config, ModelCosts, Prediction, plan, predict
-from lightning_pp.profiling import Segments, measure_segments
-from lightning_pp.schedule import check_microbatches
-from lightning_pp.stage import find_layers, patched
-from lightning_pp.train import check_config
+from lightning_pp.layout.schedule import check_microbatches
+from lightning_pp.plan.calibrate import Machine, fit_nonnegative, measure_machine
+from lightning_pp.plan.planner import Config, ModelCosts, Prediction, plan, predict
+from lightning_pp.split.microbatch import batch_size_of, split_batch
+from lightning_pp.split.partition import uniform_split
+from lightning_pp.split.profiling import Segments, measure_segments
+from lightning_pp.split.stage import find_layers, patched
+from lightning_pp.train.app import check_config
 
 log = logging.getLogger(__name__)
 
@@ -334,10 +334,7 @@ def run(cfg: DictConfig) -> Path:
     return path
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="plan")
+@hydra.main(version_base="1.3", config_path="pkg://lightning_pp.conf", config_name="plan")
 def main(cfg: DictConfig) -> None:
     run(cfg)
 
-
-if __name__ == "__main__":
-    main()

@@ -51,7 +51,7 @@ def measure_machine(accelerator: str = "cpu", timeout_s: float = 300.0) -> Machi
         env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
         run = subprocess.run(
-            [*command, "-m", "lightning_pp.calibrate", str(out), accelerator],
+            [*command, "-m", "lightning_pp.plan.calibrate", str(out), accelerator],
             env=env,
             capture_output=True,
             text=True,
@@ -143,7 +143,7 @@ def _split_overheads(step_s: dict[int, float], latency_s: float) -> tuple[float,
     """The cost per action and per step that make the simulator's 1F1B fit the measured step times best (least
     squares: with actions of cost ``a`` the simulated step is ``a`` times the actions on its critical path plus
     the messages on it)."""
-    from lightning_pp.simulate import Costs, simulate
+    from lightning_pp.plan.simulate import Costs, simulate
 
     def schedule_s(m: int, action: float) -> float:
         return simulate("1f1b", 2, m, Costs((action,) * 2, (action,) * 2, message=latency_s)).step_s

@@ -13,11 +13,8 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
-from lightning_pp.calibrate import Machine
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.partition import min_max_split, uniform_split
-from lightning_pp.profiling import Segments
-from lightning_pp.schedule import (
+from lightning_pp.layout.schedule import (
     SCHEDULES,
     SINGLE_STAGE,
     V_SHAPED,
@@ -26,7 +23,10 @@ from lightning_pp.schedule import (
     rank_of_stage,
     stages_of_rank,
 )
-from lightning_pp.simulate import Costs, Simulation, activation_peak, rank_actions, simulate
+from lightning_pp.plan.calibrate import Machine
+from lightning_pp.plan.simulate import Costs, Simulation, activation_peak, rank_actions, simulate
+from lightning_pp.split.partition import min_max_split, uniform_split
+from lightning_pp.split.profiling import Segments
 
 _MIB = 1 << 20
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from lightning_pp.schedule import SCHEDULES, normalize_schedule, stages_of_rank
-from lightning_pp.telemetry import Event, covered
+from lightning_pp.layout.schedule import SCHEDULES, normalize_schedule, stages_of_rank
+from lightning_pp.runtime.telemetry import Event, covered
 
 
 class Action(NamedTuple):

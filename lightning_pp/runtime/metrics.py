@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torchmetrics import Metric
 
-from lightning_pp.stage import get_path, patched
+from lightning_pp.split.stage import get_path, patched
 
 
 def _never_distributed() -> bool:

@@ -22,9 +22,9 @@ from lightning.pytorch.plugins.precision import Precision
 from torch.distributed.tensor import DTensor
 from torch.nn.utils import get_total_norm
 
-from lightning_pp.derive import derive
-from lightning_pp.dtensors import full_value, local_tensor
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.dtensors import full_value, local_tensor
+from lightning_pp.split.derive import derive
 
 
 def global_grad_norm(parameters: list[torch.nn.Parameter], group: dist.ProcessGroup | None) -> torch.Tensor:

@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch import LightningModule
 
-from lightning_pp.mesh import Layout
-from lightning_pp.microbatch import merge_microbatches
-from lightning_pp.stage import get_path
+from lightning_pp.layout.mesh import Layout
+from lightning_pp.split.microbatch import merge_microbatches
+from lightning_pp.split.stage import get_path
 
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCTIONS: dict[Any, str] = {

@@ -8,7 +8,6 @@ torch schedule (P2P) -> last-stage output -> the user's step with ``self(...)`` 
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -20,114 +19,22 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _PipelineSchedule
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
-from lightning_pp.allocator import trim_before_backward
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.failure import failures_shared
-from lightning_pp.metrics import MetricTap
-from lightning_pp.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
-from lightning_pp.profiling import sum_of_outputs
-from lightning_pp.relay import LogRecorder, StepReport, combine
-from lightning_pp.schedule import SPLIT_BACKWARD, build_schedule, normalize_schedule
-from lightning_pp.stage import Placement, get_path, patched, running_stages
-from lightning_pp.telemetry import Event, StepRecorder
-from lightning_pp.tied import SharedParameters
+from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule, normalize_schedule
+from lightning_pp.lifecycle.failure import failures_shared
+from lightning_pp.memory.allocator import trim_before_backward
+from lightning_pp.runtime.metrics import MetricTap
+from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
+from lightning_pp.runtime.telemetry import Event, StepRecorder
+from lightning_pp.split.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
+from lightning_pp.split.profiling import sum_of_outputs
+from lightning_pp.split.pruned import StageModule, StageModules
+from lightning_pp.split.stage import patched, running_stages
+from lightning_pp.split.tied import SharedParameters
 
 _MAX_CACHED_SHAPES = 4
-
-
-class StageModule(nn.Module):
-    """What torch's PipelineStage runs for one of this rank's stages.
-
-    torch only moves tensors, so the user's inputs (any pytree) stay here, looked up by the
-    micro-batch's sample indices that travel as the ``mb`` keyword; the last stage keeps the real
-    output (any pytree) for the user's step and gives torch its tensors.
-    """
-
-    def __init__(self, is_last: bool) -> None:
-        super().__init__()
-        self.is_last = is_last
-        self.inputs: list[ModelCall] = []
-        self.outputs: dict[int, Any] = {}
-        self.mb_size = 1
-
-    def call_of(self, mb: torch.Tensor) -> tuple[int, ModelCall]:
-        index = int(mb[0]) // self.mb_size
-        return index, self.inputs[index]
-
-    def keep_output(self, index: int, out: Any) -> tuple[torch.Tensor, ...] | torch.Tensor:
-        """On the last stage: ``out`` for the user's step, its tensors for torch."""
-        self.outputs[index] = out
-        tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
-        return tensors or torch.zeros(())
-
-
-StageModules = Callable[[bool, ModelCall], list[StageModule]]
-
-
-def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageModules:
-    """``split="prune"``: each stage runs the user's ``forward`` on its view, for every batch signature."""
-    last = placement.n_stages - 1
-    modules: list[StageModule] = [_PrunedStage(v, s == last, placement.absent_on(s)) for s, v in views.items()]
-    return lambda train, call: modules
-
-
-class _PrunedStage(StageModule):
-    """The user's ``forward`` on this rank's pruned module (a view holding one stage)."""
-
-    def __init__(self, module: nn.Module, is_last: bool, absent: list[str]) -> None:
-        super().__init__(is_last)
-        self.module = module
-        self.absent = absent
-
-    def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
-        index, (entry, args, kwargs) = self.call_of(mb)
-        model = get_path(self.module, entry)
-        if received:
-            args, kwargs = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
-        try:
-            out = type(model).forward(model, *args, **kwargs)
-        except (TypeError, AttributeError) as error:
-            if "NoneType" not in str(error):
-                raise
-            raise PipelineConfigError(
-                f"forward failed on this pipeline stage ({error}). Here {self.absent} are None because other stages"
-                " hold them; forward must skip parts that are None, e.g."
-                " `h = self.embed(x) if self.embed is not None else x`, or pass PipelineStrategy(split='trace') to"
-                " have torch's tracer split the model as it is (Hugging Face and nanoGPT-style models)."
-            ) from error
-        if self.is_last:
-            return self.keep_output(index, out)
-        if isinstance(out, torch.Tensor) or (
-            isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out)
-        ):
-            return out
-        raise PipelineConfigError(
-            f"forward returned {type(out).__name__} on a stage that is not the last; a stage must hand the next"
-            " one a tensor (or a tuple of tensors): return the hidden state when the later parts are None."
-        )
-
-
-def replace_leading_inputs(
-    forward: Callable[..., Any], model: nn.Module, args: tuple, kwargs: dict, received: tuple
-) -> tuple[tuple, dict]:
-    """The user's call with the previous stage's activations in place of its leading inputs.
-
-    Leading in the order of ``forward``'s parameters, so ``self(x, mask)`` and
-    ``self.model(input_ids=x, mask=m)`` both get the hidden state where ``x`` was.
-    """
-    try:
-        bound = inspect.signature(forward).bind(model, *args, **kwargs)
-    except TypeError:
-        return tuple(received) + tuple(args[len(received) :]), kwargs
-    names = list(bound.signature.parameters)[1:]
-    kinds = [bound.signature.parameters[n].kind for n in names[: len(received)]]
-    if any(k in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD) for k in kinds):
-        return tuple(received) + tuple(args[len(received) :]), kwargs
-    for name, value in zip(names, received):
-        bound.arguments[name] = value
-    return tuple(bound.args[1:]), dict(bound.kwargs)
 
 
 def _initialized(schedule: _PipelineSchedule) -> bool:

@@ -29,9 +29,9 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.nn.utils.stateless import _reparametrize_module
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import capture_model_call, signature, split_batch
-from lightning_pp.schedule import ASYNC, build_schedule
-from lightning_pp.step import PipelineRunner
+from lightning_pp.layout.schedule import ASYNC, build_schedule
+from lightning_pp.runtime.step import PipelineRunner
+from lightning_pp.split.microbatch import capture_model_call, signature, split_batch
 
 OLDER = "pipedream_2bw_older_weights"  # the key in a parameter's optimizer state
 

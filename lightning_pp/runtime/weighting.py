@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pp.dtensors import local_tensor
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.dtensors import local_tensor
 
 MicrobatchWeight = Callable[[Any], Any]
 

@@ -13,9 +13,9 @@ from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tr
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.materialize import global_seed
-from lightning_pp.schedule import check_batch_size
-from lightning_pp.stage import patched
+from lightning_pp.layout.schedule import check_batch_size
+from lightning_pp.memory.materialize import global_seed
+from lightning_pp.split.stage import patched
 
 
 def batch_size_of(batch: Any) -> int:

@@ -20,14 +20,14 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.materialize import has_meta_tensors, on_meta
-from lightning_pp.mesh import Layout
-from lightning_pp.microbatch import ModelCall, capture_model_call, split_batch
-from lightning_pp.partition import Balance, resolve_balance
-from lightning_pp.profiling import agree, count_flops, describe_costs, profile_costs
-from lightning_pp.schedule import check_microbatches
-from lightning_pp.stage import Placement, find_layers, model_entries, plan_placement, trace_forward
-from lightning_pp.traced import Tracer, traced_placement
+from lightning_pp.layout.mesh import Layout
+from lightning_pp.layout.schedule import check_microbatches
+from lightning_pp.memory.materialize import has_meta_tensors, on_meta
+from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
+from lightning_pp.split.partition import Balance, resolve_balance
+from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
+from lightning_pp.split.stage import Placement, find_layers, model_entries, plan_placement, trace_forward
+from lightning_pp.split.traced import Tracer, traced_placement
 
 
 def learn_placement(

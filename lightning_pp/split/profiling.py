@@ -28,7 +28,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-from lightning_pp.partition import Costs
+from lightning_pp.split.partition import Costs
 
 
 def sum_of_outputs(output: Any) -> torch.Tensor:

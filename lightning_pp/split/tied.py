@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.dtensors import local_tensor
-from lightning_pp.mesh import Layout
-from lightning_pp.stage import Placement, Tie, get_path, replace_in_view
+from lightning_pp.layout.dtensors import local_tensor
+from lightning_pp.layout.mesh import Layout
+from lightning_pp.split.stage import Placement, Tie, get_path, replace_in_view
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,12 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.materialize import on_meta
-from lightning_pp.microbatch import ModelCall, signature
-from lightning_pp.partition import Balance, Costs, resolve_balance, stage_of_each_layer
-from lightning_pp.profiling import describe_costs, flops_of
-from lightning_pp.stage import Placement, find_layers, find_ties, get_path, parts_and_params, patched
-from lightning_pp.step import StageModule, StageModules
+from lightning_pp.memory.materialize import on_meta
+from lightning_pp.split.microbatch import ModelCall, signature
+from lightning_pp.split.partition import Balance, Costs, resolve_balance, stage_of_each_layer
+from lightning_pp.split.profiling import describe_costs, flops_of
+from lightning_pp.split.pruned import StageModule, StageModules
+from lightning_pp.split.stage import Placement, find_layers, find_ties, get_path, parts_and_params, patched
 
 _ALTERNATIVES = (
     "split='prune' (the default) with a forward that skips the parts other stages hold (`h = self.wte(x) if"

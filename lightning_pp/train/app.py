@@ -28,9 +28,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.exit import close_process_groups
-from lightning_pp.microbatch import batch_size_of, tokens_in
-from lightning_pp.schedule import resolve_stages_per_rank
+from lightning_pp.layout.schedule import resolve_stages_per_rank
+from lightning_pp.lifecycle.exit import close_process_groups
+from lightning_pp.split.microbatch import batch_size_of, tokens_in
 from lightning_pp.strategy import PipelineStrategy
 
 _CHILD_EXIT_S = 120
@@ -169,11 +169,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     return result
 
 
-@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+@hydra.main(version_base="1.3", config_path="pkg://lightning_pp.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
     with job_scope():
         run(cfg)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,3 @@
+from lightning_pp.plan.app import main
+
+main()

@@ -1,0 +1,3 @@
+from lightning_pp.train.app import main
+
+main()
