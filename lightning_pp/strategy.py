@@ -10,7 +10,6 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
@@ -29,7 +28,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pp.checkpoints.formats import (
-    check_state_dict_type,
     gather_model_state,
     is_complete,
     save_sharded,
@@ -37,27 +35,21 @@ from lightning_pp.checkpoints.formats import (
 from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.checkpoints.swap import fault_point, swapped_in
 from lightning_pp.holding.sharding import (
-    DataParallel,
-    Reshard,
     check_no_user_sharding,
-    check_parallelism,
     mixed_precision_policy,
 )
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout.dtensors import has_dtensors
 from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
+from lightning_pp.layout.options import Balance, DataParallel, InitFn, MicrobatchWeight, PipelineOptions, Reshard
 from lightning_pp.layout.schedule import (
-    SPLIT_BACKWARD,
     check_loaders,
-    check_microbatches,
     default_microbatches,
-    normalize_schedule,
-    resolve_stages_per_rank,
 )
 from lightning_pp.lifecycle.exit import close_process_groups_at_exit
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
-from lightning_pp.memory.materialize import InitFn, check_initializers, check_materialized, empty_weights
+from lightning_pp.memory.materialize import check_initializers, check_materialized, empty_weights
 from lightning_pp.runtime.grads import StepGradients, add_gradients, step_gradients, window_starts
 from lightning_pp.runtime.metrics import load_states, sync_metrics_over
 from lightning_pp.runtime.precision import count_once, loss_multiplier, pipeline_precision
@@ -65,7 +57,6 @@ from lightning_pp.runtime.relay import ReportRelay, predictions_to_first_stage, 
 from lightning_pp.runtime.step import PipelineRunner
 from lightning_pp.runtime.telemetry import Event
 from lightning_pp.runtime.twobw import (
-    check_2bw,
     check_optimizers,
     end_window,
     look_ahead,
@@ -73,10 +64,9 @@ from lightning_pp.runtime.twobw import (
     runner_for,
     stash_older,
 )
-from lightning_pp.runtime.weighting import MicrobatchWeight, WindowWeights, weights_of
+from lightning_pp.runtime.weighting import WindowWeights, weights_of
 from lightning_pp.split.microbatch import batch_size_of, seeded_shuffle, split_batch
-from lightning_pp.split.partition import Balance, check_balance_mode
-from lightning_pp.split.planning import check_module, check_split, check_training_setup, learn_placement
+from lightning_pp.split.planning import check_module, check_training_setup, learn_placement
 from lightning_pp.split.stage import Placement, model_entries
 from lightning_pp.split.tied import share_parameters
 from lightning_pp.split.traced import Tracer
@@ -131,40 +121,19 @@ class PipelineStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.schedule = normalize_schedule(schedule)
-        if n_microbatches is not None:
-            check_microbatches(self.schedule, int(n_microbatches), 1, 1)
-        check_state_dict_type(state_dict_type)
-        if isinstance(balance, str):
-            check_balance_mode(balance)
-        check_split(split)
-        check_parallelism(data_parallel, fsdp_reshard, tensor_parallel_size, self.schedule, split)
-        check_2bw(self.schedule, data_parallel, tensor_parallel_size, split, activation_checkpointing)
-        self.n_microbatches = None if n_microbatches is None else int(n_microbatches)
-        self.pipeline_parallel_size = pipeline_parallel_size
-        self.layers = layers
-        self.balance = balance
-        self.stages_per_rank = resolve_stages_per_rank(self.schedule, stages_per_rank)
-        self.activation_checkpointing = activation_checkpointing
-        self.state_dict_type = state_dict_type
-        self.split = split
-        self.data_parallel = data_parallel
-        self.fsdp_reshard = fsdp_reshard
-        self.tensor_parallel_size = int(tensor_parallel_size)
-        self.microbatch_weight = microbatch_weight
+        self.options = PipelineOptions(
+            schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
+            activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
+            microbatch_weight, init_fn, timeout, process_group_backend,
+        )  # fmt: skip
         self._window = WindowWeights()
-        self.init_fn = init_fn
-        if isinstance(timeout, (int, float)):
-            timeout = timedelta(seconds=timeout)
-        self._timeout: timedelta = timeout or default_pg_timeout
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._placement: Optional[Placement] = None
         self._tracer: Optional[Tracer] = None
         self._runner: Optional[PipelineRunner] = None
         self._relay: Optional[ReportRelay] = None
-        split = self.schedule in SPLIT_BACKWARD
-        self._holding = Holding(layers, activation_checkpointing, split, fsdp_reshard=fsdp_reshard, init_fn=init_fn)
+        self._holding = Holding(self.options)
         self._step_grads: StepGradients = []
         self._pending: Optional[PendingRestore] = None
         self._replace_random_samplers = False
@@ -200,12 +169,12 @@ class PipelineStrategy(ParallelStrategy):
     def layout(self) -> Layout:
         """This rank's place in the (replica, stage, tensor-parallel shard) grid."""
         return make_layout(
-            self.pipeline_parallel_size,
+            self.options.pipeline_parallel_size,
             self.world_size,
             self.global_rank,
-            self.schedule,
-            self.stages_per_rank,
-            self.tensor_parallel_size,
+            self.options.schedule,
+            self.options.stages_per_rank,
+            self.options.tensor_parallel_size,
         )
 
     @property
@@ -235,10 +204,10 @@ class PipelineStrategy(ParallelStrategy):
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)
         close_process_groups_at_exit()
         self._groups = make_groups(layout, self.root_device.type)
-        self._holding.shard_over = self._groups.mesh["data_parallel"] if self.data_parallel == "fsdp" else None
+        self._holding.shard_over = self._groups.mesh["data_parallel"] if self.options.data_parallel == "fsdp" else None
         self._holding.mp_policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", ""))
         # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
         self.lightning_module._device_mesh = self._groups.mesh
@@ -258,11 +227,11 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
         if self._placement is None:
-            check_module(module, self.layers, self.balance, self.n_stages)
-        check_initializers(module, self.init_fn)
+            check_module(module, self.options.layers, self.options.balance, self.n_stages)
+        check_initializers(module, self.options.init_fn)
         if not self._holding.pruned:  # an earlier fit sharded it itself
-            check_no_user_sharding(module, self.tensor_parallel_size)
-        check_training_setup(module, self.schedule, self.n_microbatches, self.layout)
+            check_no_user_sharding(module, self.options.tensor_parallel_size)
+        check_training_setup(module, self.options.schedule, self.options.n_microbatches, self.layout)
         if self.layout.dp == 1:
             # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
             # pipeline replica keeps the user's order instead, see process_dataloader
@@ -279,7 +248,7 @@ class PipelineStrategy(ParallelStrategy):
                     " with ckpt_path= instead."
                 )
             self.setup_optimizers(trainer)
-            check_optimizers(self.schedule, self.optimizers)
+            check_optimizers(self.options.schedule, self.optimizers)
         self.setup_precision_plugin()
         pipeline_precision(self.precision_plugin, self._groups.pp, self.root_device)
 
@@ -323,7 +292,7 @@ class PipelineStrategy(ParallelStrategy):
         self._step_grads = []
         if not self.lightning_module.trainer.fit_loop._should_accumulate():
             end_window(self._runner)  # 2BW: the optimizer's step follows
-            if self.microbatch_weight is not None:
+            if self.options.microbatch_weight is not None:
                 self._window.end_window(self.lightning_module.parameters())
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
@@ -395,12 +364,14 @@ class PipelineStrategy(ParallelStrategy):
         return self._runner.last_events if self._runner is not None else []
 
     def _weights_of(self, batch: Any, m: int) -> Optional[list[float]]:
-        fn = self.microbatch_weight
+        fn = self.options.microbatch_weight
         return None if fn is None else weights_of(fn, split_batch(batch, m))
 
     def microbatches_for(self, batch_size: int) -> int:
         """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages]."""
-        return self.n_microbatches or default_microbatches(batch_size, self.schedule, self.layout.pp, self.n_stages)
+        return self.options.n_microbatches or default_microbatches(
+            batch_size, self.options.schedule, self.layout.pp, self.n_stages
+        )
 
     def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
         """At the first batch: learn the module's structure; hold, materialise, shard and restore this rank's stages."""
@@ -410,7 +381,16 @@ class PipelineStrategy(ParallelStrategy):
         if self._placement is None:
             m = self.microbatches_for(batch_size_of(args[0]))
             self._placement, self._tracer = learn_placement(
-                module, self.layers, self.n_stages, self.balance, hook, args, kwargs, m, self.root_device, self.split
+                module,
+                self.options.layers,
+                self.n_stages,
+                self.options.balance,
+                hook,
+                args,
+                kwargs,
+                m,
+                self.root_device,
+                self.options.split,
             )
         sync_metrics_over(module, self._groups.dp)
         local, views, make_stages = self._holding.hold(
@@ -426,20 +406,20 @@ class PipelineStrategy(ParallelStrategy):
         self._pending = None
         shared = share_parameters(local, views, self._placement, layout)
         count_once(self.precision_plugin, shared.counted_elsewhere)
-        self._runner = runner_for(self.schedule)(
+        self._runner = runner_for(self.options.schedule)(
             local,
             layout.stages,
             make_stages,
             self.n_stages,
             self.root_device,
             self._groups.pp,
-            self.schedule,
-            model_entries(local, self.layers),
+            self.options.schedule,
+            model_entries(local, self.options.layers),
             self._groups.dp,
             label=layout.pp_rank,
             shared=shared,
             overlap_replicas=self._tracer is None,
-            sharded=self.fsdp_reshard if self._holding.sharded else None,
+            sharded=self.options.fsdp_reshard if self._holding.sharded else None,
         )
         device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")  # NCCL P2P
         ranks = layout.pipeline_ranks(layout.replica)
@@ -451,7 +431,7 @@ class PipelineStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         """Every stage must draw the same batches: a RandomSampler on the global RNG may not."""
         loader = seeded_shuffle(dataloader) if self._replace_random_samplers else dataloader
-        return look_ahead(loader, self.schedule, self.lightning_module.trainer.training)
+        return look_ahead(loader, self.options.schedule, self.lightning_module.trainer.training)
 
     @override
     def on_train_start(self) -> None:
@@ -470,7 +450,9 @@ class PipelineStrategy(ParallelStrategy):
         self._check_loaders("test", trainer.test_dataloaders, trainer.num_test_batches)
 
     def _check_loaders(self, kind: str, loaders: Any, limits: list[Union[int, float]]) -> None:
-        check_loaders(kind, loaders, limits, self.n_microbatches, self.schedule, self.layout.pp, self.n_stages)
+        check_loaders(
+            kind, loaders, limits, self.options.n_microbatches, self.options.schedule, self.layout.pp, self.n_stages
+        )
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -519,14 +501,14 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         check_materialized(self.lightning_module)
-        if not self._holding.pruned or self.state_dict_type == "sharded":
+        if not self._holding.pruned or self.options.state_dict_type == "sharded":
             return super().lightning_module_state_dict()
         writer = self.layout.writes_full_checkpoint
         return gather_model_state(self.lightning_module, self._holding.state_keys, self._groups.pp, writer)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        writer, sharded = self.layout.writes_full_checkpoint, self.state_dict_type == "sharded"
+        writer, sharded = self.layout.writes_full_checkpoint, self.options.state_dict_type == "sharded"
         stash_older(self._runner, optimizer)  # 2BW: the older weight version travels with the optimizer state
         return self._holding.optimizer_state(
             optimizer, self.optimizers, self.lightning_module, sharded, writer, self._groups.pp
@@ -558,7 +540,7 @@ class PipelineStrategy(ParallelStrategy):
         ``lightning_pp.swap``): a process that dies at any moment of the save leaves a complete checkpoint."""
         rank = self.global_rank
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
-            if self.state_dict_type == "sharded":
+            if self.options.state_dict_type == "sharded":
                 if has_dtensors(self.lightning_module):  # every rank holds its own piece
                     save_sharded(checkpoint, partial, rank, None)
                 elif self.layout.replica == 0:  # one shard per stage, not per replica

@@ -46,7 +46,9 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             if base.startswith("lightning_pp"):
                 found |= {base} | {f"{base}.{a.name}" for a in node.names}
     return {m for m in found if _exists(m)}

@@ -173,3 +173,23 @@ def test_activations_replace_the_leading_inputs_positional_or_keyword():
     args, kwargs = replace_leading_inputs(Net.forward, net, (torch.zeros(2), 7), {"scale": 0.5}, (h,))
     assert args[0] is h and args[1:] == (7, 0.5) and kwargs == {}
     assert Net.forward(net, *args, **kwargs) is h
+
+
+def test_the_strategys_arguments_are_normalised_once_in_its_order() -> None:
+    """``PipelineOptions`` takes the strategy's arguments positionally: the same names in the same order."""
+    import dataclasses
+    import inspect
+    from datetime import timedelta
+
+    from lightning_pp import PipelineStrategy
+    from lightning_pp.layout.options import PipelineOptions
+
+    arguments = list(inspect.signature(PipelineStrategy.__init__).parameters)[1:-1]
+    assert arguments == [f.name for f in dataclasses.fields(PipelineOptions)]
+    options = PipelineStrategy(schedule="ZBVZeroBubble", n_microbatches="8", timeout=5).options
+    assert (options.schedule, options.n_microbatches, options.stages_per_rank) == ("zbv", 8, 2)
+    assert options.timeout == timedelta(seconds=5) and options.split_backward and not options.asynchronous
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.schedule = "gpipe"  # type: ignore[misc]
+    with pytest.raises(PipelineConfigError, match=r"schedule='2bw' with split='trace' is not supported yet"):
+        PipelineOptions(schedule="2bw", split="trace")

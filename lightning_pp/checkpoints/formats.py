@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.checkpoints.swap import fault_point
-from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import full_value
 
 
@@ -31,14 +30,6 @@ class OptimizerLayout:
     groups: tuple[tuple[int, ...], ...]
     kept: tuple[tuple[int, ...], ...]
     names: tuple[tuple[str, ...], ...]
-
-
-def check_state_dict_type(state_dict_type: str) -> None:
-    if state_dict_type not in ("full", "sharded"):
-        raise PipelineConfigError(
-            f"Unknown state_dict_type={state_dict_type!r}; use 'full' (one .ckpt file gathered on rank 0) or"
-            " 'sharded' (a directory written by every rank with torch.distributed.checkpoint)."
-        )
 
 
 def keep_local_parameters(optimizer: torch.optim.Optimizer, local: set[int], names: dict[int, str]) -> OptimizerLayout:

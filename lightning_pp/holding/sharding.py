@@ -19,7 +19,7 @@ re-pointed by name.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -27,50 +27,11 @@ from torch import nn
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import has_dtensors
-from lightning_pp.layout.schedule import SPLIT_BACKWARD, normalize_schedule
-from lightning_pp.memory.materialize import InitFn, materialize
+from lightning_pp.layout.options import InitFn, Reshard
+from lightning_pp.memory.materialize import materialize
 from lightning_pp.split.pruned import StageModules, pruned_stages
 from lightning_pp.split.stage import Placement, find_layers, get_path
 from lightning_pp.split.tied import place_stand_ins
-
-DataParallel = Literal["ddp", "fsdp"]
-Reshard = Literal["step", "microbatch"]
-
-
-def check_parallelism(
-    data_parallel: str, fsdp_reshard: str, tensor_parallel_size: int, schedule: str, split: str
-) -> None:
-    """Arguments that cannot work, refused on every rank when the strategy is built."""
-    if data_parallel not in ("ddp", "fsdp"):
-        raise PipelineConfigError(
-            f"Unknown data_parallel={data_parallel!r}; use 'ddp' (each replica holds its whole stage) or 'fsdp'"
-            " (FSDP2 shards each stage's parameters, gradients and optimizer state over its replicas)."
-        )
-    if fsdp_reshard not in ("step", "microbatch"):
-        raise PipelineConfigError(
-            f"Unknown fsdp_reshard={fsdp_reshard!r}; use 'step' (a stage stays unsharded during a step: least"
-            " communication) or 'microbatch' (parameters resharded and gradients reduce-scattered after every"
-            " micro-batch: least memory)."
-        )
-    if int(tensor_parallel_size) < 1:
-        raise PipelineConfigError(f"tensor_parallel_size={tensor_parallel_size} must be a positive integer.")
-    if data_parallel == "fsdp" and fsdp_reshard == "microbatch" and normalize_schedule(schedule) in SPLIT_BACKWARD:
-        raise PipelineConfigError(
-            f"fsdp_reshard='microbatch' with schedule={schedule!r}: the zero-bubble and V schedules split each"
-            " backward into an input and a weight half, between which FSDP would reshard the weights. Use"
-            " fsdp_reshard='step' with this schedule, or schedule='1f1b', 'gpipe' or 'interleaved_1f1b'."
-        )
-    if split == "trace" and int(tensor_parallel_size) > 1:
-        raise PipelineConfigError(
-            f"split='trace' with tensor_parallel_size={tensor_parallel_size}: a tensor-parallel plan is applied to"
-            " the user's modules in configure_model, which the traced pieces do not run. Use split='prune' (the"
-            " default) with tensor parallelism."
-        )
-    if split == "trace" and data_parallel == "fsdp":
-        raise PipelineConfigError(
-            "split='trace' with data_parallel='fsdp' is not supported yet: the traced pieces are rebuilt per batch"
-            " shape, FSDP needs one root per stage. Use data_parallel='ddp' with split='trace', or split='prune'."
-        )
 
 
 def check_no_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:

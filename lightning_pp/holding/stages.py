@@ -26,7 +26,8 @@ from lightning_pp.checkpoints.formats import (
 )
 from lightning_pp.checkpoints.restore import PendingRestore, restore_stage
 from lightning_pp.holding.sharding import repoint_optimizers, shard_pruned_stages
-from lightning_pp.memory.materialize import InitFn, materialize
+from lightning_pp.layout.options import PipelineOptions
+from lightning_pp.memory.materialize import materialize
 from lightning_pp.memory.recompute import checkpoint_layers
 from lightning_pp.split.pruned import StageModules, pruned_stages
 from lightning_pp.split.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
@@ -37,13 +38,9 @@ from lightning_pp.split.traced import Tracer
 class Holding:
     """This rank's stages, kept across fit, validate, test and predict."""
 
-    layers: str
-    activation_checkpointing: bool = False
-    split_backward: bool = False  # the schedule runs an input and a weight pass (see lightning_pp.recompute)
+    options: PipelineOptions
     shard_over: Any = None  # the replicas' DeviceMesh under data_parallel="fsdp", else None
-    fsdp_reshard: str = "step"
     mp_policy: Any = None  # FSDP2's MixedPrecisionPolicy
-    init_fn: InitFn | None = None
     pruned: bool = False
     sharded: bool = False
     state_keys: list[str] = field(default_factory=list)  # the whole module's, in one-process order
@@ -73,22 +70,29 @@ class Holding:
         if fitting and not self.pruned:
             self.state_keys = list(module.state_dict().keys())
             prune_to_stages(module, placement, stages)
-            guard_forwards(module, placement, stages, model_entries(module, self.layers).values())
+            guard_forwards(module, placement, stages, model_entries(module, self.options.layers).values())
             local_ids = {id(p) for p in module.parameters()}
             self.optimizer_layouts = [keep_local_parameters(o, local_ids, names) for o in optimizers]
             self.pruned = True
-            if self.activation_checkpointing:
-                checkpoint_layers(find_layers(module, self.layers), once=self.split_backward)
+            if self.options.activation_checkpointing:
+                checkpoint_layers(find_layers(module, self.options.layers), once=self.options.split_backward)
         local = module if self.pruned else stage_view(module, placement, stages)
         if self._made is None or not self.pruned:
             views = {s: stage_view(local, placement, [s]) for s in stages}
             self.sharded = self.shard_over is not None and self.pruned
             if self.sharded:
                 made = shard_pruned_stages(
-                    local, views, placement, self.shard_over, self.fsdp_reshard, device, self.init_fn, self.mp_policy
+                    local,
+                    views,
+                    placement,
+                    self.shard_over,
+                    self.options.fsdp_reshard,
+                    device,
+                    self.options.init_fn,
+                    self.mp_policy,
                 )  # type: ignore[arg-type]
             else:
-                materialize(local, device, init_fn=self.init_fn)
+                materialize(local, device, init_fn=self.options.init_fn)
                 made = tracer.stages(views, device, self._recompute) if tracer else pruned_stages(views, placement)
             self._made = (views, made)
         views, make_stages = self._made
@@ -101,9 +105,9 @@ class Holding:
 
     @property
     def _recompute(self) -> Callable[[Mapping[str, nn.Module]], None] | None:
-        if not self.activation_checkpointing:
+        if not self.options.activation_checkpointing:
             return None
-        return functools.partial(checkpoint_layers, once=self.split_backward)
+        return functools.partial(checkpoint_layers, once=self.options.split_backward)
 
     def optimizer_state(
         self,

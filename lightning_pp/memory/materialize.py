@@ -24,8 +24,7 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import whole_parameters
-
-InitFn = Callable[[nn.Module, str], None]
+from lightning_pp.layout.options import InitFn
 
 _INIT_METHODS = ("reset_parameters", "_reset_parameters")
 

@@ -337,4 +337,3 @@ def run(cfg: DictConfig) -> Path:
 @hydra.main(version_base="1.3", config_path="pkg://lightning_pp.conf", config_name="plan")
 def main(cfg: DictConfig) -> None:
     run(cfg)
-

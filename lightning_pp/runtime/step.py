@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule, normalize_schedule
+from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
 from lightning_pp.lifecycle.failure import failures_shared
 from lightning_pp.memory.allocator import trim_before_backward
 from lightning_pp.runtime.metrics import MetricTap
@@ -81,7 +81,7 @@ class PipelineRunner:
         # ``overlap_replicas=False`` where stage modules change with the batch signature (traced pieces).
         # ``sharded`` ("step" or "microbatch", see lightning_pp.sharding): the stage modules are FSDP roots, which
         # reduce the replicas' gradients themselves
-        overlap = overlap_replicas and normalize_schedule(schedule) not in SPLIT_BACKWARD
+        overlap = overlap_replicas and schedule not in SPLIT_BACKWARD
         self._average_over = replicas if not overlap and sharded is None else None
         self._replicas = replicas if sharded is None else None
         self._sharded = sharded

@@ -320,24 +320,6 @@ class LookAhead:
 _END = object()
 
 
-def check_2bw(schedule: str, data_parallel: str, tensor_parallel_size: int, split: str, recompute: bool) -> None:
-    """Combinations 2BW does not run yet, refused on every rank when the strategy is built."""
-    if schedule not in ASYNC:
-        return
-    unsupported = {
-        "data_parallel='fsdp'": data_parallel == "fsdp",
-        f"tensor_parallel_size={tensor_parallel_size}": int(tensor_parallel_size) > 1,
-        "split='trace'": split == "trace",
-        "activation_checkpointing=True": bool(recompute),
-    }
-    for what, given in unsupported.items():
-        if given:
-            raise PipelineConfigError(
-                f"schedule='2bw' with {what} is not supported yet: the weight versions are bound on the user's own"
-                " modules, one copy per replica. Use schedule='1f1b' with it, or 2BW without it."
-            )
-
-
 def check_optimizers(schedule: str, optimizers: list[Any]) -> None:
     if schedule in ASYNC and len(optimizers) != 1:
         raise PipelineConfigError(

@@ -15,7 +15,7 @@ sum(w_i x grad_i) / W_first, and the window's last backward multiplies by W_firs
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -23,8 +23,7 @@ import torch.distributed as dist
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor
-
-MicrobatchWeight = Callable[[Any], Any]
+from lightning_pp.layout.options import MicrobatchWeight
 
 
 def weights_of(fn: MicrobatchWeight, microbatches: list[Any]) -> list[float]:

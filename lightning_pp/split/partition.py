@@ -6,13 +6,10 @@ Pure functions over layer counts and costs, so the split can be tested without p
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 from lightning_pp.errors import PipelineConfigError
-
-Balance = Union[None, str, Sequence[int]]
-
-BALANCE_MODES = ("uniform", "parameters", "profile")
+from lightning_pp.layout.options import Balance, check_balance_mode
 
 
 class Costs(NamedTuple):
@@ -113,15 +110,6 @@ def resolve_balance(balance: Balance, n_layers: int, n_stages: int, costs: Costs
             f" the counts must add up to {n_layers}, e.g. {uniform_split(n_layers, n_stages)}."
         )
     return counts
-
-
-def check_balance_mode(balance: str) -> None:
-    """Reject an unknown mode when the strategy is built, not at the first batch."""
-    if balance.lower() not in BALANCE_MODES:
-        raise PipelineConfigError(
-            f"Unknown balance={balance!r}. Use one of {list(BALANCE_MODES)} or a list of layer counts per stage"
-            " such as [3, 5]."
-        )
 
 
 def stage_of_each_layer(counts: Sequence[int]) -> list[int]:

@@ -21,10 +21,11 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
+from lightning_pp.layout.options import Balance
 from lightning_pp.layout.schedule import check_microbatches
 from lightning_pp.memory.materialize import has_meta_tensors, on_meta
 from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
-from lightning_pp.split.partition import Balance, resolve_balance
+from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
 from lightning_pp.split.stage import Placement, find_layers, model_entries, plan_placement, trace_forward
 from lightning_pp.split.traced import Tracer, traced_placement
@@ -111,11 +112,3 @@ def check_training_setup(module: LightningModule, schedule: str, n_microbatches:
         )
     if n_microbatches is not None:
         check_microbatches(schedule, n_microbatches, layout.pp, layout.n_stages)
-
-
-def check_split(split: str) -> None:
-    if split not in ("prune", "trace"):
-        raise PipelineConfigError(
-            f"Unknown split={split!r}; use 'prune' (the user's forward on a module pruned to the stage, skipping None"
-            " parts) or 'trace' (torch's pipeline tracer splits the model at its layers)."
-        )

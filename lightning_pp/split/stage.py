@@ -21,8 +21,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.options import Balance
 from lightning_pp.split.derive import derive
-from lightning_pp.split.partition import Balance, Costs, resolve_balance, stage_of_each_layer
+from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 
 Layers = dict[str, nn.Module]
 _CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.Sequential)

@@ -35,9 +35,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
 from lightning_pp.split.microbatch import ModelCall, signature
-from lightning_pp.split.partition import Balance, Costs, resolve_balance, stage_of_each_layer
+from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
 from lightning_pp.split.pruned import StageModule, StageModules
 from lightning_pp.split.stage import Placement, find_layers, find_ties, get_path, parts_and_params, patched

@@ -173,4 +173,3 @@ def run(cfg: DictConfig) -> dict[str, Any]:
 def main(cfg: DictConfig) -> None:
     with job_scope():
         run(cfg)
-

@@ -1,0 +1,163 @@
+"""The strategy's arguments, normalised and checked once into one frozen object.
+
+``PipelineStrategy.__init__`` builds it on every rank before any process group exists, so a value that
+cannot work fails everywhere with the same message and no rank waits in a collective. The wings read
+its fields and never normalise or check them again: a schedule name here is canonical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal, Optional, Union
+
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from torch import nn
+
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.schedule import (
+    ASYNC,
+    SPLIT_BACKWARD,
+    check_microbatches,
+    normalize_schedule,
+    resolve_stages_per_rank,
+)
+
+Balance = Union[None, str, Sequence[int]]
+BALANCE_MODES = ("uniform", "parameters", "profile")
+DataParallel = Literal["ddp", "fsdp"]
+Reshard = Literal["step", "microbatch"]
+Split = Literal["prune", "trace"]
+StateDictType = Literal["full", "sharded"]
+# init_fn(module, qualified_name): initialises one module's own tensors after materialisation
+InitFn = Callable[[nn.Module, str], None]
+# microbatch_weight(micro_batch) -> weight of its loss (e.g. its label tokens)
+MicrobatchWeight = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What ``PipelineStrategy(...)`` was given, in its order, normalised: a canonical schedule name, the
+    stages each rank holds, the timeout as a ``timedelta`` (README's table says what each argument means)."""
+
+    schedule: str = "1f1b"
+    n_microbatches: Optional[int] = None
+    pipeline_parallel_size: Optional[int] = None
+    layers: str = "layers"
+    balance: Balance = None
+    stages_per_rank: Optional[int] = None
+    activation_checkpointing: bool = False
+    state_dict_type: StateDictType = "full"
+    split: Split = "prune"
+    data_parallel: DataParallel = "ddp"
+    fsdp_reshard: Reshard = "step"
+    tensor_parallel_size: int = 1
+    microbatch_weight: Optional[MicrobatchWeight] = None
+    init_fn: Optional[InitFn] = None
+    timeout: Optional[Union[timedelta, float]] = None
+    process_group_backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        schedule = normalize_schedule(self.schedule)
+        if self.n_microbatches is not None:
+            check_microbatches(schedule, int(self.n_microbatches), 1, 1)
+        _check_choice("state_dict_type", self.state_dict_type, _STATE_DICT_TYPES)
+        if isinstance(self.balance, str):
+            check_balance_mode(self.balance)
+        _check_choice("split", self.split, _SPLITS)
+        _check_choice("data_parallel", self.data_parallel, _DATA_PARALLEL)
+        _check_choice("fsdp_reshard", self.fsdp_reshard, _RESHARD)
+        if int(self.tensor_parallel_size) < 1:
+            raise PipelineConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be a positive integer.")
+        timeout = self.timeout
+        normal = {
+            "schedule": schedule,
+            "n_microbatches": None if self.n_microbatches is None else int(self.n_microbatches),
+            "stages_per_rank": resolve_stages_per_rank(schedule, self.stages_per_rank),
+            "activation_checkpointing": bool(self.activation_checkpointing),
+            "tensor_parallel_size": int(self.tensor_parallel_size),
+            "timeout": timedelta(seconds=timeout)
+            if isinstance(timeout, (int, float))
+            else timeout or default_pg_timeout,
+        }
+        for name, value in normal.items():
+            object.__setattr__(self, name, value)
+        _check_combinations(self)
+
+    @property
+    def split_backward(self) -> bool:
+        """The schedule computes input and weight gradients in two halves (zero-bubble and V schedules)."""
+        return self.schedule in SPLIT_BACKWARD
+
+    @property
+    def asynchronous(self) -> bool:
+        """PipeDream-2BW: no flush between steps."""
+        return self.schedule in ASYNC
+
+
+def check_balance_mode(balance: str) -> None:
+    """Reject an unknown mode when the strategy is built, not at the first batch."""
+    if balance.lower() not in BALANCE_MODES:
+        raise PipelineConfigError(
+            f"Unknown balance={balance!r}. Use one of {list(BALANCE_MODES)} or a list of layer counts per stage"
+            " such as [3, 5]."
+        )
+
+
+_STATE_DICT_TYPES = {
+    "full": "one .ckpt file gathered on rank 0",
+    "sharded": "a directory written by every rank with torch.distributed.checkpoint",
+}
+_SPLITS = {
+    "prune": "the user's forward on a module pruned to the stage, skipping None parts",
+    "trace": "torch's pipeline tracer splits the model at its layers",
+}
+_DATA_PARALLEL = {
+    "ddp": "each replica holds its whole stage",
+    "fsdp": "FSDP2 shards each stage's parameters, gradients and optimizer state over its replicas",
+}
+_RESHARD = {
+    "step": "a stage stays unsharded during a step: least communication",
+    "microbatch": "parameters resharded and gradients reduce-scattered after every micro-batch: least memory",
+}
+
+
+def _check_choice(argument: str, value: str, choices: dict[str, str]) -> None:
+    if value not in choices:
+        use = " or ".join(f"{name!r} ({why})" for name, why in choices.items())
+        raise PipelineConfigError(f"Unknown {argument}={value!r}; use {use}.")
+
+
+def _check_combinations(o: PipelineOptions) -> None:
+    """Arguments that work alone but not together."""
+    if o.data_parallel == "fsdp" and o.fsdp_reshard == "microbatch" and o.split_backward:
+        raise PipelineConfigError(
+            f"fsdp_reshard='microbatch' with schedule={o.schedule!r}: the zero-bubble and V schedules split each"
+            " backward into an input and a weight half, between which FSDP would reshard the weights. Use"
+            " fsdp_reshard='step' with this schedule, or schedule='1f1b', 'gpipe' or 'interleaved_1f1b'."
+        )
+    if o.split == "trace" and o.tensor_parallel_size > 1:
+        raise PipelineConfigError(
+            f"split='trace' with tensor_parallel_size={o.tensor_parallel_size}: a tensor-parallel plan is applied"
+            " to the user's modules in configure_model, which the traced pieces do not run. Use split='prune' (the"
+            " default) with tensor parallelism."
+        )
+    if o.split == "trace" and o.data_parallel == "fsdp":
+        raise PipelineConfigError(
+            "split='trace' with data_parallel='fsdp' is not supported yet: the traced pieces are rebuilt per batch"
+            " shape, FSDP needs one root per stage. Use data_parallel='ddp' with split='trace', or split='prune'."
+        )
+    if o.asynchronous:
+        unsupported = {
+            "data_parallel='fsdp'": o.data_parallel == "fsdp",
+            f"tensor_parallel_size={o.tensor_parallel_size}": o.tensor_parallel_size > 1,
+            "split='trace'": o.split == "trace",
+            "activation_checkpointing=True": o.activation_checkpointing,
+        }
+        for what, given in unsupported.items():
+            if given:
+                raise PipelineConfigError(
+                    f"schedule='2bw' with {what} is not supported yet: the weight versions are bound on the user's"
+                    " own modules, one copy per replica. Use schedule='1f1b' with it, or 2BW without it."
+                )
