@@ -6,7 +6,7 @@ stages, built eagerly and on meta, fresh and resumed from a sharded checkpoint.
 
 The model: the example GPT with 12 blocks of 1024 (151 M parameters, 604 MB), 1F1B, 2 steps of 4 x stages
 sequences of 8 tokens, no allocator variables set (the strategy manages glibc's allocator itself:
-lightning_pp.allocator), torch's kernels paged in before counting (run_large.py). Writes
+lightning_pp.memory.allocator), torch's kernels paged in before counting (run_large.py). Writes
 benchmarks/results/large_model.json and prints a Markdown table.
 """
 

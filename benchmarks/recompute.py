@@ -5,7 +5,7 @@
 The design card's GPT (8 layers; 1F1B holds one stage per rank, the zero-bubble and V schedules
 two). Recomputation should cost about one extra forward whatever the schedule; torch's checkpoint
 recomputed each layer once per backward pass, and the zero-bubble and V schedules run an input and
-a weight pass per micro-batch (lightning_pp.recompute recomputes once). Each round runs every
+a weight pass per micro-batch (lightning_pp.memory.recompute recomputes once). Each round runs every
 (schedule, recompute) pair, in another order each round; medians over the rounds' steps. Writes
 benchmarks/results/recompute.json.
 """

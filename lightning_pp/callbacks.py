@@ -71,7 +71,7 @@ class PipelineMonitor(Callback):
         out.mkdir(parents=True, exist_ok=True)
         (out / "pipeline_trace.json").write_text(json.dumps(chrome_trace(self.last_events)))
         try:
-            schedule = trainer.strategy.options.schedule if isinstance(trainer.strategy, PipelineStrategy) else ""
+            schedule = getattr(trainer.strategy, "schedule", "")
             gantt_png(self.last_events, out / "pipeline_schedule.png", title=f"{schedule}: last measured step")
         except ImportError:  # matplotlib is an optional extra
             pass

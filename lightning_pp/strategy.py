@@ -142,6 +142,12 @@ class PipelineStrategy(ParallelStrategy):
         # set by PipelineMonitor: time the next training step's compute and waits on this rank
         self.record_next_step = False
 
+    def __getattr__(self, name: str) -> Any:
+        """The arguments read back as attributes (``strategy.schedule``), as on Lightning's own strategies."""
+        if name in PipelineOptions.__dataclass_fields__ and "options" in self.__dict__:
+            return getattr(self.options, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     # ------------------------------------------------------------------ processes and devices
     @property
     @override
@@ -537,7 +543,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
-        ``lightning_pp.swap``): a process that dies at any moment of the save leaves a complete checkpoint."""
+        ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete checkpoint."""
         rank = self.global_rank
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
             if self.options.state_dict_type == "sharded":

@@ -41,7 +41,7 @@ def test_meta_built_model_trains_as_one_process_at_two_and_four_stages(tmp_path,
 
 
 def test_each_rank_holds_only_its_stage_in_memory(tmp_path):
-    # 24 layers of 1024 (385 MiB), 4 stages, SGD, no allocator variables (lightning_pp.allocator), torch's
+    # 24 layers of 1024 (385 MiB), 4 stages, SGD, no allocator variables (lightning_pp.memory.allocator), torch's
     # kernels paged in first: a rank's peak is its stage's parameters and gradients plus a few MiB of Lightning
     # and gloo, one layer's gradient while micro-batches accumulate, and the micro-batches' activations in flight.
     cfg = dict(model="init", build="init_module", dim=1024, n_layers=24, optimizer="plain_sgd", batch=8, n_train=16,

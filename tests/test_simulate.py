@@ -1,4 +1,4 @@
-"""The schedule simulator (lightning_pp.simulate) against the closed forms, with uniform costs: one process."""
+"""The schedule simulator (lightning_pp.plan.simulate) against the closed forms, with uniform costs: one process."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Data flows one way: the whole (possibly meta) module -> pruned to this rank's stages (their
 optimizer entries kept in the one-process order) -> a view per stage -> materialised on the device,
-or materialised and FSDP-sharded unit by unit (``lightning_pp.sharding``) -> the optimizers
+or materialised and FSDP-sharded unit by unit (``lightning_pp.holding.sharding``) -> the optimizers
 re-pointed at the Parameters that now exist -> the checkpoint being resumed, if any.
 """
 

@@ -34,7 +34,7 @@ SCHEDULES: dict[str, type[_PipelineSchedule]] = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-# PipeDream-2BW (lightning_pp.twobw): our stream over torch's PipelineStage, no flush between steps
+# PipeDream-2BW (lightning_pp.runtime.twobw): our stream over torch's PipelineStage, no flush between steps
 ASYNC = ("2bw",)
 # one stage per rank; the others take a list of stages
 SINGLE_STAGE = ("gpipe", "1f1b", *ASYNC)

@@ -2,7 +2,7 @@
 action and per step, and a rank's resident memory before any model.
 
 Runs as its own job on two local ranks (``python -m torch.distributed.run --nproc_per_node 2 -m
-lightning_pp.calibrate OUT.json [ACCELERATOR]``, started by ``measure_machine``): one ping-pong at two
+lightning_pp.plan.calibrate OUT.json [ACCELERATOR]``, started by ``measure_machine``): one ping-pong at two
 message sizes on the real backend, then two short fits of a model whose layers cost nothing through
 ``PipelineStrategy`` (1F1B at 2 to 16 micro-batches): what their steps take is the runtime's own cost,
 split into a part per action and a part per step by the simulator.

@@ -98,7 +98,7 @@ def pipeline_precision(plugin: Precision, group: dist.ProcessGroup | None, devic
 
 
 def count_once(plugin: Precision, counted_elsewhere: frozenset[int]) -> None:
-    """Parameters several stages hold (see ``lightning_pp.tied``) enter the global norm on one rank only."""
+    """Parameters several stages hold (see ``lightning_pp.split.tied``) enter the global norm on one rank only."""
     plugin._counted_elsewhere = counted_elsewhere  # type: ignore[attr-defined]
 
 

@@ -79,7 +79,7 @@ class PipelineRunner:
         # torch's stages drive DDP: no sync while micro-batches accumulate, then the gradients are averaged over
         # the replicas during the last micro-batch's backward. DDP needs one wrapper per set of parameters:
         # ``overlap_replicas=False`` where stage modules change with the batch signature (traced pieces).
-        # ``sharded`` ("step" or "microbatch", see lightning_pp.sharding): the stage modules are FSDP roots, which
+        # ``sharded`` ("step" or "microbatch", see lightning_pp.holding.sharding): the stage modules are FSDP roots, which
         # reduce the replicas' gradients themselves
         overlap = overlap_replicas and schedule not in SPLIT_BACKWARD
         self._average_over = replicas if not overlap and sharded is None else None
@@ -87,7 +87,7 @@ class PipelineRunner:
         self._sharded = sharded
         self._ddp: dict[int, nn.Module] = {}
         self._entries = entries
-        self._shared = shared  # parameters other stages hold too (see lightning_pp.tied)
+        self._shared = shared  # parameters other stages hold too (see lightning_pp.split.tied)
         self._schedules: OrderedDict[tuple, tuple[_PipelineSchedule, list[StageModule]]] = OrderedDict()
         self._current: _PipelineSchedule | None = None
         # per-step state used by the last stage's loss function
@@ -118,7 +118,7 @@ class PipelineRunner:
         """One step of ``hook`` (``training_step``, ``validation_step``, ...) over the whole batch.
 
         ``loss_scale`` multiplies each micro-batch loss before backward (1 / (m x accumulation), times the
-        fp16 loss scale), or each its own (see ``lightning_pp.weighting``); ``weights`` combine the micro-batches'
+        fp16 loss scale), or each its own (see ``lightning_pp.runtime.weighting``); ``weights`` combine the micro-batches'
         losses and logged means (default: their sizes). Returns the step's report on the last stage, None elsewhere.
         """
         m = n_microbatches

@@ -5,7 +5,7 @@ device (parameters and buffers swapped to meta for the duration), so learning th
 no memory and no compute whether the module was built on meta or eagerly. A meta-built module whose
 forward needs data fails here, on every rank, before any collective; an eagerly built one is then
 traced for real on the CPU. Under ``split="trace"`` the placement comes from torch's tracer instead
-(see ``lightning_pp.traced``). The checks at the end run on every rank before any collective.
+(see ``lightning_pp.split.traced``). The checks at the end run on every rank before any collective.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ class Tracer:
         recompute: Callable[[Mapping[str, nn.Module]], None] | None = None,
     ) -> StageModules:
         """This rank's stage modules for a batch: its pieces of that batch's trace, holding the real tensors.
-        ``recompute`` (``lightning_pp.recompute.checkpoint_layers``) is given each piece's layers."""
+        ``recompute`` (``lightning_pp.memory.recompute.checkpoint_layers``) is given each piece's layers."""
         built: dict[int, list[StageModule]] = {}
 
         def make(train: bool, call: ModelCall) -> list[StageModule]:

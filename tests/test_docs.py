@@ -1,0 +1,53 @@
+"""The README's and docs/ pages' code runs: every ```python block is executed as a script of its own.
+
+A block marked ```python fragment is an excerpt (part of a class, a Trainer that needs more devices than a
+test machine has) and is only required to parse. Each runnable block runs in a fresh directory, as a user
+would paste it into a file, so Lightning's launcher can start its other ranks by re-running that file.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import child_env
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_BLOCK = re.compile(r"^```python([^\n]*)\n(.*?)^```", re.S | re.M)
+
+
+def _blocks(kind: str) -> list[tuple[str, str]]:
+    found = []
+    for page in PAGES:
+        text = page.read_text()
+        for match in _BLOCK.finditer(text):
+            if match.group(1).strip() == kind:
+                line = text.count("\n", 0, match.start()) + 1
+                found.append((f"{page.relative_to(ROOT)}:{line}", match.group(2)))
+    return found
+
+
+def test_every_python_block_is_runnable_or_marked_a_fragment() -> None:
+    infos = {m.group(1).strip() for page in PAGES for m in _BLOCK.finditer(page.read_text())}
+    assert infos <= {"", "fragment"}, f"unknown markers {infos - {'', 'fragment'}}: use ```python or ```python fragment"
+    assert _blocks(""), "no runnable block found: the docs would not be tested"
+
+
+@pytest.mark.parametrize("where,code", _blocks("fragment"), ids=[w for w, _ in _blocks("fragment")])
+def test_fragment_parses(where: str, code: str) -> None:
+    ast.parse(code, filename=where)
+
+
+@pytest.mark.parametrize("where,code", _blocks(""), ids=[w for w, _ in _blocks("")])
+def test_block_runs(where: str, code: str, tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    script.write_text(code)
+    run = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=240
+    )
+    assert run.returncode == 0, f"{where} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
