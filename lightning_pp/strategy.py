@@ -543,7 +543,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
-        ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete checkpoint."""
+        ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete
+        checkpoint."""
         rank = self.global_rank
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
             if self.options.state_dict_type == "sharded":

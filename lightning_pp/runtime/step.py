@@ -79,8 +79,8 @@ class PipelineRunner:
         # torch's stages drive DDP: no sync while micro-batches accumulate, then the gradients are averaged over
         # the replicas during the last micro-batch's backward. DDP needs one wrapper per set of parameters:
         # ``overlap_replicas=False`` where stage modules change with the batch signature (traced pieces).
-        # ``sharded`` ("step" or "microbatch", see lightning_pp.holding.sharding): the stage modules are FSDP roots, which
-        # reduce the replicas' gradients themselves
+        # ``sharded`` ("step" or "microbatch", see lightning_pp.holding.sharding): the stage modules are FSDP roots,
+        # which reduce the replicas' gradients themselves
         overlap = overlap_replicas and schedule not in SPLIT_BACKWARD
         self._average_over = replicas if not overlap and sharded is None else None
         self._replicas = replicas if sharded is None else None
@@ -118,8 +118,9 @@ class PipelineRunner:
         """One step of ``hook`` (``training_step``, ``validation_step``, ...) over the whole batch.
 
         ``loss_scale`` multiplies each micro-batch loss before backward (1 / (m x accumulation), times the
-        fp16 loss scale), or each its own (see ``lightning_pp.runtime.weighting``); ``weights`` combine the micro-batches'
-        losses and logged means (default: their sizes). Returns the step's report on the last stage, None elsewhere.
+        fp16 loss scale), or each its own (see ``lightning_pp.runtime.weighting``); ``weights`` combine the
+        micro-batches' losses and logged means (default: their sizes). Returns the step's report on the last
+        stage, None elsewhere.
         """
         m = n_microbatches
         self._loss_scales = list(loss_scale) if isinstance(loss_scale, list) else [loss_scale] * m
