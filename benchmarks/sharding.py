@@ -97,7 +97,7 @@ def predicted_stage_params() -> list[dict[str, int]]:
 
 
 def formula_bytes(mode: str, p: int, layer: int, d: int = DP) -> dict[str, float]:
-    """The README's memory formulas during a step for a stage of ``p`` parameters (fp32 AdamW: 4 bytes of
+    """docs/parallelism.md's memory formulas during a step for a stage of ``p`` parameters (fp32 AdamW: 4 bytes of
     weights, 4 of gradients, 8 of optimizer state per parameter)."""
     if mode == "ddp":
         return {"bytes": 16 * p + 4 * p, "formula": "16P + 4P (DDP buckets)", "without_buckets": 16 * p}

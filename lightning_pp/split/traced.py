@@ -45,7 +45,7 @@ from lightning_pp.split.stage import Placement, find_layers, find_ties, get_path
 
 _ALTERNATIVES = (
     "split='prune' (the default) with a forward that skips the parts other stages hold (`h = self.wte(x) if"
-    " self.wte is not None else x`, see the README's seed convention), or a model family the README lists as"
+    " self.wte is not None else x`, see the README's seed convention), or a model family docs/models.md lists as"
     " traceable"
 )
 
