@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Generator
 from datetime import timedelta
+from os import PathLike
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -41,7 +42,15 @@ from lightning_pp.holding.sharding import (
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout.dtensors import has_dtensors
 from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
-from lightning_pp.layout.options import Balance, DataParallel, InitFn, MicrobatchWeight, PipelineOptions, Reshard
+from lightning_pp.layout.options import (
+    Balance,
+    DataParallel,
+    InitFn,
+    KeyFn,
+    MicrobatchWeight,
+    PipelineOptions,
+    Reshard,
+)
 from lightning_pp.layout.schedule import (
     check_loaders,
     default_microbatches,
@@ -116,6 +125,8 @@ class PipelineStrategy(ParallelStrategy):
         tensor_parallel_size: int = 1,
         microbatch_weight: Optional[MicrobatchWeight] = None,
         init_fn: Optional[InitFn] = None,
+        init_weights: Optional[Union[str, PathLike]] = None,
+        init_weights_keys: Optional[KeyFn] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
         **kwargs: Any,
@@ -124,7 +135,7 @@ class PipelineStrategy(ParallelStrategy):
         self.options = PipelineOptions(
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
-            microbatch_weight, init_fn, timeout, process_group_backend,
+            microbatch_weight, init_fn, init_weights, init_weights_keys, timeout, process_group_backend,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend
@@ -234,7 +245,8 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None and self.accelerator is not None
         if self._placement is None:
             check_module(module, self.options.layers, self.options.balance, self.n_stages)
-        check_initializers(module, self.options.init_fn)
+        self._holding.match_pretrained(module)
+        check_initializers(module, self.options.init_fn, self._holding.loaded)
         if not self._holding.pruned:  # an earlier fit sharded it itself
             check_no_user_sharding(module, self.options.tensor_parallel_size)
         check_training_setup(module, self.options.schedule, self.options.n_microbatches, self.layout)

@@ -45,12 +45,14 @@ from models import (  # noqa: E402
     TwiceGPT,
     WrappedGPT,
     loader,
+    renamed_key,
 )
 
 import lightning_pp  # noqa: E402,F401
 from lightning_pp.layout.dtensors import local_tensor  # noqa: E402
 from lightning_pp.runtime.weighting import label_tokens  # noqa: E402
 
+KEYS = {"renamed": renamed_key}  # init_weights_keys by name
 MODELS = {
     "tiny": TinyGPT,
     "noskip": NoSkipGPT,
@@ -234,6 +236,8 @@ def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
     how = cfg.get("build")
     kwargs = _module_kwargs(cfg)
     model_cls = MODELS[cfg.get("model", "tiny")]
+    if trainer is None and (cfg.get("pretrained") or cfg.get("reference_state")):
+        return pretrained_reference(model_cls(**kwargs), cfg)
     if how is None:
         return model_cls(**kwargs)
     if trainer is None:  # one process: the same build, materialised by the pipeline's rule
@@ -245,6 +249,18 @@ def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
         with trainer.init_module(empty_init=True):
             return model_cls(**kwargs)
     return model_cls(**kwargs)
+
+
+def pretrained_reference(model: L.LightningModule, cfg: dict[str, Any]) -> L.LightningModule:
+    """One process starting from the weights a pipeline reads with ``init_weights``: as Hugging Face loads them
+    (``from_pretrained``, back in train mode), or a state dict in the module's own names."""
+    if cfg.get("pretrained"):
+        from transformers import AutoModelForCausalLM
+
+        model.model = AutoModelForCausalLM.from_pretrained(cfg["pretrained"]).train()
+    else:
+        model.load_state_dict(torch.load(cfg["reference_state"]))
+    return model
 
 
 class Overflow(Callback):
@@ -340,6 +356,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             tensor_parallel_size=cfg.get("tp", 1),
             microbatch_weight=functools.partial(label_tokens, key="targets") if cfg.get("weighted") else None,
             timeout=cfg.get("timeout", 60),
+            init_weights=cfg.get("pretrained") or cfg.get("init_weights"),
+            init_weights_keys=KEYS.get(cfg.get("init_weights_keys")),
         )
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()

@@ -455,3 +455,10 @@ class SelfShardedGPT(TinyGPT):
         for block in self.net.blocks.values():
             if not isinstance(block, FSDPModule):
                 fully_shard(block, mesh=self.device_mesh["data_parallel"])
+
+
+def renamed_key(name: str) -> str:
+    """``init_weights_keys`` for TinyGPT reading a checkpoint whose names differ (``backbone.``, ``ln_f.``)."""
+    if name.startswith("net."):
+        return "backbone." + name[len("net.") :]
+    return name.replace("final_norm.", "ln_f.")

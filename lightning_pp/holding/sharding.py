@@ -18,7 +18,7 @@ re-pointed by name.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -87,12 +87,13 @@ def shard_pruned_stages(
     device: torch.device,
     init_fn: InitFn | None = None,
     mp_policy: Any = None,
+    loaded: Collection[str] = frozenset(),
 ) -> StageModules:
     """This rank's stage modules (``split="prune"``), each the FSDP root of its stage over ``mesh`` (the stage's
     replicas); ``module`` (the rank's pruned module) then holds the sharded Parameters."""
     place_stand_ins(module, views, placement, list(views))
     modules = pruned_stages(views, placement)(True, None)  # type: ignore[arg-type]
-    _shard_stages(views, dict(zip(views, modules)), placement, mesh, reshard, device, init_fn, mp_policy)
+    _shard_stages(views, dict(zip(views, modules)), placement, mesh, reshard, device, init_fn, mp_policy, loaded)
     adopt_parameters(module, views.values())
     return lambda train, call: modules
 
@@ -106,6 +107,7 @@ def _shard_stages(
     device: torch.device,
     init_fn: InitFn | None,
     mp_policy: Any,
+    loaded: Collection[str],
 ) -> None:
     """Materialise and shard each stage unit by unit; ``roots[s]`` (which runs ``views[s]``) becomes its root."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -115,9 +117,9 @@ def _shard_stages(
     )
     for stage, view in views.items():
         for name, unit in stage_units(view, placement, stage):
-            materialize(unit, device, init_fn=init_fn, prefix=name)
+            materialize(unit, device, init_fn=init_fn, prefix=name, loaded=loaded)
             fully_shard(unit, **options)
-        materialize(view, device, init_fn=init_fn)  # what is left: loose parameters, buffers
+        materialize(view, device, init_fn=init_fn, loaded=loaded)  # what is left: loose parameters, buffers
         fully_shard(roots[stage], **options)
 
 

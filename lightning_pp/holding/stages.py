@@ -24,6 +24,7 @@ from lightning_pp.checkpoints.formats import (
     keep_local_parameters,
     optimizer_state_by_name,
 )
+from lightning_pp.checkpoints.pretrained import Pretrained, WeightMap, load_weights, match_weights, open_pretrained
 from lightning_pp.checkpoints.restore import PendingRestore, restore_stage
 from lightning_pp.holding.sharding import repoint_optimizers, shard_pruned_stages
 from lightning_pp.layout.options import PipelineOptions
@@ -44,6 +45,7 @@ class Holding:
     pruned: bool = False
     sharded: bool = False
     state_keys: list[str] = field(default_factory=list)  # the whole module's, in one-process order
+    pretrained: tuple[Pretrained, WeightMap] | None = None  # init_weights, its names matched at setup
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
     _made: tuple[dict[int, nn.Module], StageModules] | None = None
 
@@ -90,10 +92,12 @@ class Holding:
                     device,
                     self.options.init_fn,
                     self.mp_policy,
+                    self.loaded,
                 )  # type: ignore[arg-type]
             else:
-                materialize(local, device, init_fn=self.options.init_fn)
+                materialize(local, device, init_fn=self.options.init_fn, loaded=self.loaded)
                 made = tracer.stages(views, device, self._recompute) if tracer else pruned_stages(views, placement)
+            self._load_pretrained(local, pending)
             self._made = (views, made)
         views, make_stages = self._made
         repoint_optimizers(optimizers, aliases, local)
@@ -102,6 +106,26 @@ class Holding:
             copied = restore_stage(pending, local, optimizers, self.optimizer_layouts)
             rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
         return local, views, make_stages
+
+    def match_pretrained(self, module: nn.Module) -> None:
+        """``init_weights``: the checkpoint's names and shapes against the whole module, on every rank alike."""
+        if self.options.init_weights is not None and self.pretrained is None and not self.pruned:
+            pretrained = open_pretrained(self.options.init_weights)
+            self.pretrained = pretrained, match_weights(pretrained, module, self.options.init_weights_keys)
+
+    @property
+    def loaded(self) -> frozenset[str]:
+        """The tensors (qualified names) ``init_weights`` sets: their modules need no initialiser on meta."""
+        return frozenset(self.pretrained[1].keys) if self.pretrained is not None else frozenset()
+
+    def _load_pretrained(self, local: nn.Module, pending: PendingRestore | None) -> None:
+        if self.pretrained is None:
+            return
+        if pending is not None:
+            rank_zero_info(f"init_weights={str(self.options.init_weights)!r} is not read: ckpt_path= resumes a run.")
+            return
+        read = load_weights(*self.pretrained, local)
+        rank_zero_info(f"Rank 0 read {read / 2**20:.1f} MiB of its own stages' tensors from init_weights.")
 
     @property
     def _recompute(self) -> Callable[[Mapping[str, nn.Module]], None] | None:

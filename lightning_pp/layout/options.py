@@ -7,6 +7,7 @@ its fields and never normalise or check them again: a schedule name here is cano
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,6 +35,8 @@ StateDictType = Literal["full", "sharded"]
 InitFn = Callable[[nn.Module, str], None]
 # microbatch_weight(micro_batch) -> weight of its loss (e.g. its label tokens)
 MicrobatchWeight = Callable[[Any], Any]
+# init_weights_keys(name) -> the pretrained checkpoint's key of a tensor, or None: left to its initialiser
+KeyFn = Callable[[str], Optional[str]]
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class PipelineOptions:
     tensor_parallel_size: int = 1
     microbatch_weight: Optional[MicrobatchWeight] = None
     init_fn: Optional[InitFn] = None
+    init_weights: Optional[Union[str, os.PathLike]] = None
+    init_weights_keys: Optional[KeyFn] = None
     timeout: Optional[Union[timedelta, float]] = None
     process_group_backend: Optional[str] = None
 

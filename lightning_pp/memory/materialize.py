@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -84,14 +84,27 @@ def _meta_owners(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return owners[::-1]
 
 
-def check_initializers(module: nn.Module, init_fn: InitFn | None = None) -> None:
-    """Every module with meta tensors must have an initialiser; checked on the whole module on every rank."""
+def _owners(module: nn.Module, prefix: str, loaded: Collection[str]) -> list[tuple[str, nn.Module]]:
+    """The meta owners (qualified names) that need their initialiser: some meta tensor no checkpoint sets."""
+    owners = [(f"{prefix}.{name}" if prefix and name else name or prefix, m) for name, m in _meta_owners(module)]
+    return [
+        (name, m)
+        for name, m in owners
+        if any(t.is_meta and (f"{name}.{n}" if name else n) not in loaded for n, t in _named_own(m))
+    ]
+
+
+def check_initializers(
+    module: nn.Module, init_fn: InitFn | None = None, loaded: Collection[str] = frozenset(), prefix: str = ""
+) -> None:
+    """Every module with meta tensors must have an initialiser, unless ``loaded`` (the qualified names a
+    pretrained checkpoint sets) holds all of them; checked on the whole module on every rank."""
     _check_metrics(module)
     if init_fn is not None:
         return
     missing = [
         f"'{name or '<root>'}' ({type(m).__name__}: {sorted(n for n, t in _named_own(m) if t.is_meta)})"
-        for name, m in _meta_owners(module)
+        for name, m in _owners(module, prefix, loaded)
         if not any(callable(getattr(m, method, None)) for method in _INIT_METHODS)
     ]
     if missing:
@@ -142,6 +155,7 @@ def materialize(
     seed: int | None = None,
     init_fn: InitFn | None = None,
     prefix: str = "",
+    loaded: Collection[str] = frozenset(),
 ) -> nn.Module:
     """Allocate ``module``'s meta tensors on ``device`` and initialise them by the name rule; move the rest.
 
@@ -151,13 +165,14 @@ def materialize(
     model (``prefix`` is ``module``'s own), so a pruned pipeline stage gets exactly the tensors the whole
     model gets on one process. Parameter objects keep their identity (ties, optimizers built earlier and
     hooks stay valid), except tensor-parallel DTensors: each is initialised whole, as on one process, and
-    replaced by this rank's piece.
+    replaced by this rank's piece. A module all of whose meta tensors are in ``loaded`` (qualified names a
+    pretrained checkpoint sets next) is allocated only.
     """
     device = torch.device(device)
     seed = global_seed() if seed is None else seed
-    owners = [(f"{prefix}.{name}" if prefix and name else name or prefix, m) for name, m in _meta_owners(module)]
+    owners = _owners(module, prefix, loaded)
     if owners:
-        check_initializers(module, init_fn)
+        check_initializers(module, init_fn, loaded, prefix)
     with contextlib.ExitStack() as whole:
         for _, owner in owners:
             whole.enter_context(whole_parameters(owner))

@@ -1,0 +1,109 @@
+"""``init_weights``: each rank reads its own tensors of a pretrained checkpoint, and trains as one process that
+called ``from_pretrained`` (or loaded the same state dict) on the same batches."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ok, run_job
+from models import HFGPT2, HFLlama, TinyGPT, renamed_key
+from test_parity import assert_same_logs, common
+from test_tied import assert_state_equal
+
+from lightning_pp import empty_weights
+from lightning_pp.checkpoints.pretrained import match_weights, open_pretrained
+from lightning_pp.errors import PipelineConfigError
+
+LOSS_TOL, PARAM_TOL = 2e-4, 1e-5
+HF = dict(split="trace", optimizer="sgd", lr=0.5, n_val=16, batch=8, n_train=32, m=2)
+LLAMA = dict(HF, model="llama", layers="model.model.layers")
+GPT2 = dict(HF, model="gpt2", layers="model.transformer.h")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict[str, Path]:
+    """Pretrained checkpoints written here (no download), from weights no run starts from by itself (seed 123)."""
+    root = tmp_path_factory.mktemp("pretrained")
+    torch.manual_seed(123)
+    HFLlama().model.save_pretrained(root / "llama", max_shard_size="40KB")  # several shards and an index
+    HFGPT2().model.save_pretrained(root / "gpt2")  # tied: lm_head.weight is not saved
+    tiny = TinyGPT(optimizer="sgd").state_dict()
+    torch.save(tiny, root / "tiny.pt")
+    torch.save({"model": {renamed_key(k): v for k, v in tiny.items()}}, root / "renamed.pt")
+    return {"root": root, "llama": root / "llama", "gpt2": root / "gpt2", "tiny": root / "tiny.pt"}
+
+
+def _compare(job_cfg: dict, ref_cfg: dict, tmp_path: Path, reference) -> None:
+    job = ok(run_job({**job_cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    ref = reference(**ref_cfg)
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+    assert "tensors from" in job.output and "read" in job.output  # the match said once, the bytes rank 0 read
+
+
+def test_hf_llama_on_meta_reads_its_sharded_safetensors_under_1f1b(saved, tmp_path, reference):
+    assert len(list(saved["llama"].glob("*.safetensors"))) > 2
+    cfg = dict(LLAMA, schedule="1f1b", devices=2, build="init_module", pretrained=str(saved["llama"]))
+    _compare(cfg, common(cfg), tmp_path, reference)
+
+
+def test_an_eager_hf_llama_has_its_random_weights_replaced_under_gpipe(saved, tmp_path, reference):
+    cfg = dict(LLAMA, schedule="gpipe", devices=2, pretrained=str(saved["llama"]))
+    _compare(cfg, common(cfg), tmp_path, reference)
+
+
+def test_tied_hf_gpt2_on_meta_under_zbv(saved, tmp_path, reference):
+    # one key (transformer.wte.weight) serves the embedding on stage 0 and the head on stage 3, both on rank 0;
+    # GPT-2's Conv1D has no initialiser: on meta it needs the checkpoint for all of its tensors
+    cfg = dict(GPT2, schedule="zbv", devices=2, m=4, build="init_module", pretrained=str(saved["gpt2"]))
+    _compare(cfg, common(cfg), tmp_path, reference)
+
+
+def test_a_seed_convention_module_reads_a_torch_file_through_its_key_map(saved, tmp_path, reference):
+    # a {"model": ...} file in other names, mapped by init_weights_keys; Net's position table has no
+    # initialiser, which the checkpoint makes unnecessary on meta
+    cfg = dict(optimizer="sgd", lr=0.05, schedule="1f1b", devices=2, m=4, batch=8, n_train=32, n_val=16)
+    job_cfg = dict(
+        cfg, build="init_module", init_weights=str(saved["root"] / "renamed.pt"), init_weights_keys="renamed"
+    )
+    _compare(job_cfg, dict(common(cfg), reference_state=str(saved["tiny"])), tmp_path, reference)
+
+
+def test_names_that_do_not_match_are_refused_with_what_is_missing(saved):
+    def meta(cls, **kwargs):
+        with empty_weights():
+            return cls(**kwargs)
+
+    llama = open_pretrained(saved["llama"])
+    weights = match_weights(llama, meta(HFLlama))
+    assert weights.prefix == "-model." and len(weights.keys) == len(llama.shapes)
+    with pytest.raises(PipelineConfigError, match=r"holds \d+ tensors that no tensor of HFLlama takes.*layers\.3"):
+        match_weights(llama, meta(HFLlama, n_layers=3))  # a checkpoint of a deeper model
+    with pytest.raises(
+        PipelineConfigError, match=r"does not hold \d+ of HFLlama's parameters: model\.model\.layers\.4"
+    ):
+        match_weights(llama, meta(HFLlama, n_layers=5))
+    renamed = open_pretrained(saved["root"] / "renamed.pt")
+    with pytest.raises(PipelineConfigError, match=r"does not hold \d+ of TinyGPT's parameters.*init_weights_keys"):
+        match_weights(renamed, meta(TinyGPT))
+    with pytest.raises(PipelineConfigError, match=r"the keys init_weights_keys gave: net\.pos -> 'nowhere'"):
+        match_weights(renamed, meta(TinyGPT), lambda n: "nowhere" if n == "net.pos" else renamed_key(n))
+    left = match_weights(open_pretrained(saved["tiny"]), meta(TinyGPT), lambda n: None)
+    assert left.keys and not left.left  # every name matched as it is: the map is asked for none
+    partial = {k: v for k, v in torch.load(saved["tiny"]).items() if k != "net.pos"}
+    torch.save(partial, saved["root"] / "partial.pt")
+    weights = match_weights(open_pretrained(saved["root"] / "partial.pt"), meta(TinyGPT), lambda n: None)
+    assert weights.left == {"net.pos"}
+    with pytest.raises(PipelineConfigError, match=r"shapes differ.*\[32, 32\] in the checkpoint, \[32, 16\]"):
+        match_weights(open_pretrained(saved["tiny"]), meta(TinyGPT, dim=16))
+    with pytest.raises(PipelineConfigError, match=r"init_weights='.*nothing' is not a checkpoint.*Nothing exists"):
+        open_pretrained(saved["root"] / "nothing")
+
+
+def test_a_checkpoint_that_does_not_fit_stops_every_rank_before_training(saved, tmp_path):
+    cfg = dict(LLAMA, n_layers=3, schedule="1f1b", devices=2, build="init_module", pretrained=str(saved["llama"]))
+    job = run_job({**cfg, "strategy": "pipeline", "timeout": 30}, tmp_path / "job", timeout=120, launcher=True)
+    assert job.returncode != 0 and job.seconds < 90, job.output[-3000:]
+    assert job.output.count("that no tensor of HFLlama takes") >= 2, job.output[-3000:]  # on both ranks
