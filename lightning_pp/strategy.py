@@ -28,6 +28,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pp.checkpoints.export import EXPORT_KEY, export_names
 from lightning_pp.checkpoints.formats import (
     gather_model_state,
     is_complete,
@@ -557,7 +558,8 @@ class PipelineStrategy(ParallelStrategy):
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
         ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete
         checkpoint."""
-        rank = self.global_rank
+        rank, weights = self.global_rank, self._holding.pretrained
+        checkpoint[EXPORT_KEY] = export_names(self.lightning_module, weights[1] if weights is not None else None)
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
             if self.options.state_dict_type == "sharded":
                 if has_dtensors(self.lightning_module):  # every rank holds its own piece

@@ -56,7 +56,7 @@ def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[
     if is_sharded(path):
         checkpoint = torch.load(path / META_FILE, weights_only=False)
         groups = checkpoint.pop("optimizer_param_groups")
-        model, optimizers = _placeholders(path)
+        model, optimizers = placeholders(path)
         checkpoint["state_dict"] = model
         checkpoint["optimizer_states"] = [
             one_process_optimizer_state({"state": optimizers.get(str(i), {}), "param_groups": g})
@@ -68,7 +68,7 @@ def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[
     return checkpoint, PendingRestore(path, sharded=False)
 
 
-def _placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
+def placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
     """Meta tensors in the shape of a sharded checkpoint's weights and optimizer state (read from its metadata)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
