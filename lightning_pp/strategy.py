@@ -28,7 +28,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_pp.checkpoints.export import EXPORT_KEY, export_names
+from lightning_pp.checkpoints.export import EXPORT_KEY
 from lightning_pp.checkpoints.formats import (
     gather_model_state,
     is_complete,
@@ -41,17 +41,9 @@ from lightning_pp.holding.sharding import (
     mixed_precision_policy,
 )
 from lightning_pp.holding.stages import Holding
+from lightning_pp.layout import options
 from lightning_pp.layout.dtensors import has_dtensors
 from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
-from lightning_pp.layout.options import (
-    Balance,
-    DataParallel,
-    InitFn,
-    KeyFn,
-    MicrobatchWeight,
-    PipelineOptions,
-    Reshard,
-)
 from lightning_pp.layout.schedule import (
     check_loaders,
     default_microbatches,
@@ -94,8 +86,8 @@ class PipelineStrategy(ParallelStrategy):
 
     A model larger than one device is built with its parameters on meta, under
     ``trainer.init_module()`` or in ``configure_model``; each rank then materialises only its own
-    stage on its device, initialised by the name rule (see :func:`lightning_pp.materialize`, and
-    ``init_fn`` for modules without ``reset_parameters``), and reads only its own tensors when
+    stage on its device, initialised by the name rule (``init_fn`` for modules without ``reset_parameters``)
+    or read from pretrained weights (``init_weights``), and reads only its own tensors of either and when
     resuming. An eagerly built module is pruned to the rank's stage before it is moved to the device.
 
     ``split="trace"`` serves forwards that use every part (Hugging Face, nanoGPT): torch's tracer splits the
@@ -116,24 +108,24 @@ class PipelineStrategy(ParallelStrategy):
         n_microbatches: Optional[int] = None,
         pipeline_parallel_size: Optional[int] = None,
         layers: str = "layers",
-        balance: Balance = None,
+        balance: options.Balance = None,
         stages_per_rank: Optional[int] = None,
         activation_checkpointing: bool = False,
         state_dict_type: Literal["full", "sharded"] = "full",
         split: Literal["prune", "trace"] = "prune",
-        data_parallel: DataParallel = "ddp",
-        fsdp_reshard: Reshard = "step",
+        data_parallel: options.DataParallel = "ddp",
+        fsdp_reshard: options.Reshard = "step",
         tensor_parallel_size: int = 1,
-        microbatch_weight: Optional[MicrobatchWeight] = None,
-        init_fn: Optional[InitFn] = None,
+        microbatch_weight: Optional[options.MicrobatchWeight] = None,
+        init_fn: Optional[options.InitFn] = None,
         init_weights: Optional[Union[str, PathLike]] = None,
-        init_weights_keys: Optional[KeyFn] = None,
+        init_weights_keys: Optional[options.KeyFn] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
-        self.options = PipelineOptions(
+        self.options = options.PipelineOptions(
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
             microbatch_weight, init_fn, init_weights, init_weights_keys, timeout, process_group_backend,
@@ -156,7 +148,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def __getattr__(self, name: str) -> Any:
         """The arguments read back as attributes (``strategy.schedule``), as on Lightning's own strategies."""
-        if name in PipelineOptions.__dataclass_fields__ and "options" in self.__dict__:
+        if name in options.PipelineOptions.__dataclass_fields__ and "options" in self.__dict__:
             return getattr(self.options, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
@@ -400,16 +392,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._placement is None:
             m = self.microbatches_for(batch_size_of(args[0]))
             self._placement, self._tracer = learn_placement(
-                module,
-                self.options.layers,
-                self.n_stages,
-                self.options.balance,
-                hook,
-                args,
-                kwargs,
-                m,
-                self.root_device,
-                self.options.split,
+                module, self.options, self.n_stages, hook, args, kwargs, m, self.root_device
             )
         sync_metrics_over(module, self._groups.dp)
         local, views, make_stages = self._holding.hold(
@@ -558,8 +541,7 @@ class PipelineStrategy(ParallelStrategy):
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
         ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete
         checkpoint."""
-        rank, weights = self.global_rank, self._holding.pretrained
-        checkpoint[EXPORT_KEY] = export_names(self.lightning_module, weights[1] if weights is not None else None)
+        rank, checkpoint[EXPORT_KEY] = self.global_rank, self._holding.export_names(self.lightning_module)
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
             if self.options.state_dict_type == "sharded":
                 if has_dtensors(self.lightning_module):  # every rank holds its own piece

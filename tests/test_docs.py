@@ -51,3 +51,10 @@ def test_block_runs(where: str, code: str, tmp_path: Path) -> None:
         [sys.executable, str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=240
     )
     assert run.returncode == 0, f"{where} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+
+
+def test_the_examples_a_page_shows_are_the_files() -> None:
+    """A page that shows an example file shows it whole, so running the page's block runs the example."""
+    shown = {"examples/finetune_hf.py": "docs/pretrained.md"}
+    for example, page in shown.items():
+        assert (ROOT / example).read_text() in (ROOT / page).read_text(), f"{page} no longer shows {example} as it is"

@@ -11,12 +11,14 @@ from torch import nn
 
 from lightning_pp import PipelineConfigError, empty_weights, materialize
 from lightning_pp.examples.gpt import GPT
+from lightning_pp.layout.options import PipelineOptions
 from lightning_pp.memory.materialize import check_initializers, on_meta
 from lightning_pp.split.planning import learn_placement
 from lightning_pp.split.profiling import count_flops
 from lightning_pp.split.stage import find_layers, prune_to_stages
 
 CPU = torch.device("cpu")
+NET = PipelineOptions(layers="net.blocks")
 CFG = dict(vocab=48, dim=32, n_layers=6, n_heads=4, seq_len=8)
 
 
@@ -51,7 +53,7 @@ def test_each_stage_gets_the_whole_models_initial_weights(n_stages):
     for stage in range(n_stages):
         model = meta_gpt()
         placement, _ = learn_placement(
-            model, "layers", n_stages, None, "training_step", (batch(), 0), {}, 2, torch.device("cpu")
+            model, PipelineOptions(layers="layers"), n_stages, "training_step", (batch(), 0), {}, 2, torch.device("cpu")
         )
         prune_to_stages(model, placement, [stage])
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)  # built on meta, as configure_optimizers may be
@@ -113,12 +115,12 @@ def test_a_forward_that_reads_values_cannot_be_traced_on_meta():
         model = ItemGPT()
     tokens = {"tokens": torch.zeros(4, 8, dtype=torch.long), "targets": torch.zeros(4, 8, dtype=torch.long)}
     with pytest.raises(PipelineConfigError, match=r"cannot run without data \(in ItemGPT.forward itself.*item"):
-        learn_placement(model, "net.blocks", 2, None, "training_step", (tokens, 0), {}, 2, CPU)
+        learn_placement(model, NET, 2, "training_step", (tokens, 0), {}, 2, CPU)
     # an eagerly built module is traced on meta too (its real tensors swapped out and back), or for real if
     # its forward needs values
     for eager in (InitGPT(), ItemGPT()):
         before = {k: v.clone() for k, v in eager.state_dict().items()}
-        placement, _ = learn_placement(eager, "net.blocks", 2, None, "training_step", (tokens, 0), {}, 2, CPU)
+        placement, _ = learn_placement(eager, NET, 2, "training_step", (tokens, 0), {}, 2, CPU)
         assert placement.counts == (2, 2)
         assert all(torch.equal(before[k], v) and not v.is_meta for k, v in eager.state_dict().items())
 

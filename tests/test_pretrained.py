@@ -12,10 +12,11 @@ import torch
 from conftest import ok, run_job
 from models import HFGPT2, HFLlama, TinyGPT, renamed_key
 from test_parity import assert_same_logs, common
-from test_tied import assert_state_equal
+from test_tied import assert_state_equal, combined
 
-from lightning_pp import empty_weights
-from lightning_pp.checkpoints.pretrained import match_weights, open_pretrained
+from lightning_pp import empty_weights, materialize
+from lightning_pp.checkpoints.formats import load_sharded
+from lightning_pp.checkpoints.pretrained import load_weights, match_weights, open_pretrained
 from lightning_pp.errors import PipelineConfigError
 
 LOSS_TOL, PARAM_TOL = 2e-4, 1e-5
@@ -76,14 +77,34 @@ def test_tied_hf_gpt2_on_meta_under_zbv(saved, tmp_path, reference):
     _compare(cfg, common(cfg), tmp_path, reference, export=True)  # from the full .ckpt
 
 
-def test_a_seed_convention_module_reads_a_torch_file_through_its_key_map(saved, tmp_path, reference):
-    # a {"model": ...} file in other names, mapped by init_weights_keys; Net's position table has no
-    # initialiser, which the checkpoint makes unnecessary on meta
-    cfg = dict(optimizer="sgd", lr=0.05, schedule="1f1b", devices=2, m=4, batch=8, n_train=32, n_val=16)
+def test_fsdp_replicas_of_a_seed_convention_module_read_their_slices_of_a_renamed_torch_file(
+    saved, tmp_path, reference
+):
+    # 2 replicas (FSDP) x 2 stages: each rank copies its shard of each of its stage's tensors out of a
+    # {"model": ...} file in other names, mapped by init_weights_keys; Net's position table has no initialiser,
+    # which the checkpoint makes unnecessary on meta
+    cfg = dict(optimizer="sgd", lr=0.05, schedule="1f1b", m=2, devices=4, pp=2, data_parallel="fsdp", batch=8,
+               n_train=64, n_val=16, sync_dist=True)  # fmt: skip
     job_cfg = dict(
         cfg, build="init_module", init_weights=str(saved["root"] / "renamed.pt"), init_weights_keys="renamed"
     )
-    _compare(job_cfg, dict(common(cfg), reference_state=str(saved["tiny"])), tmp_path, reference)
+    _compare(job_cfg, dict(combined(cfg), reference_state=str(saved["tiny"])), tmp_path, reference)
+
+
+def test_a_dcp_directory_is_read_as_init_weights(saved, tmp_path):
+    # lightning-pp's own sharded checkpoint (weights beside optimizer state), read into a meta-built module
+    job = ok(run_job({**LLAMA, "schedule": "1f1b", "devices": 2, "state_dict_type": "sharded", "max_steps": 2,
+                      "strategy": "pipeline"}, tmp_path / "job"))  # fmt: skip
+    dcp_dir = job.out / "final.ckpt"
+    pretrained = open_pretrained(dcp_dir)
+    with empty_weights():
+        model = HFLlama()
+    assert pretrained.format == "dcp" and set(pretrained.shapes) == set(model.state_dict())  # no optimizer state
+    weights = match_weights(pretrained, model)
+    assert weights.prefix == ""  # the checkpoint's names are the module's
+    materialize(model, loaded=frozenset(weights.keys))
+    assert load_weights(pretrained, weights, model) == sum(t.numel() * 4 for t in model.state_dict().values())
+    assert_state_equal(model.state_dict(), load_sharded(dcp_dir)["state_dict"], 0.0)
 
 
 def test_names_that_do_not_match_are_refused_with_what_is_missing(saved):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pp.checkpoints.export import export_names
 from lightning_pp.checkpoints.formats import (
     OptimizerLayout,
     gather_optimizer_state,
@@ -112,6 +113,10 @@ class Holding:
         if self.options.init_weights is not None and self.pretrained is None and not self.pruned:
             pretrained = open_pretrained(self.options.init_weights)
             self.pretrained = pretrained, match_weights(pretrained, module, self.options.init_weights_keys)
+
+    def export_names(self, module: nn.Module) -> dict[str, Any]:
+        """What a checkpoint keeps for ``consolidate --format hf``: the names the weights came in with."""
+        return export_names(module, self.pretrained[1] if self.pretrained is not None else None)
 
     @property
     def loaded(self) -> frozenset[str]:

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
-from lightning_pp.layout.options import Balance
+from lightning_pp.layout.options import Balance, PipelineOptions
 from lightning_pp.layout.schedule import check_microbatches
 from lightning_pp.memory.materialize import has_meta_tensors, on_meta
 from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
@@ -33,23 +33,22 @@ from lightning_pp.split.traced import Tracer, traced_placement
 
 def learn_placement(
     module: LightningModule,
-    layers: str,
+    options: PipelineOptions,
     n_stages: int,
-    balance: Balance,
     hook: str,
     args: tuple,
     kwargs: dict,
     n_microbatches: int,
     device: torch.device,
-    split: str = "prune",
 ) -> tuple[Placement, Tracer | None]:
     """Where each layer and part lives, the same on every rank; logged on rank 0. Under ``split="trace"`` also
     the tracer that makes each batch signature's pieces."""
+    layers, balance = options.layers, options.balance
     first = split_batch(args[0], n_microbatches)[0]
     entries = model_entries(module, layers)
     call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
     tracer = None
-    if split == "trace":
+    if options.split == "trace":
         placement, tracer = traced_placement(module, layers, n_stages, balance, call, module.training)
     else:
         placement = _learn_by_pruning(module, layers, n_stages, balance, entries[call.entry], call, device)
