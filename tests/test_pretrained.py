@@ -77,6 +77,21 @@ def test_tied_hf_gpt2_on_meta_under_zbv(saved, tmp_path, reference):
     _compare(cfg, common(cfg), tmp_path, reference, export=True)  # from the full .ckpt
 
 
+def test_fsdp_replicas_of_a_traced_hf_llama_read_their_slices(saved, tmp_path, reference):
+    # split="trace" with data_parallel="fsdp": 2 replicas x 2 stages, each stage's FSDP root gathering its
+    # units for the traced piece; each rank reads its shard of its stage's tensors from the safetensors
+    cfg = dict(LLAMA, schedule="1f1b", devices=4, pp=2, data_parallel="fsdp", n_train=64, build="init_module",
+               pretrained=str(saved["llama"]))  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    ref = reference(**combined(cfg))
+    # each replica logs its own loss (HF's step logs without sync_dist): their mean is the combined batch's
+    replicas = list(zip(job.rank(0)["train"], job.rank(2)["train"], ref["train"], strict=True))
+    assert len(replicas) == 4
+    assert max(abs((a["train_loss"] + b["train_loss"]) / 2 - c["train_loss"]) for a, b, c in replicas) <= LOSS_TOL
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+    assert all(job.rank(r)["local_param_bytes"] * 2 == job.rank(r)["param_bytes"] for r in range(4))  # sharded
+
+
 def test_fsdp_replicas_of_a_seed_convention_module_read_their_slices_of_a_renamed_torch_file(
     saved, tmp_path, reference
 ):

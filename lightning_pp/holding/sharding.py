@@ -18,7 +18,7 @@ re-pointed by name.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -27,11 +27,12 @@ from torch import nn
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import has_dtensors
-from lightning_pp.layout.options import InitFn, Reshard
+from lightning_pp.layout.options import InitFn, PipelineOptions, Reshard
 from lightning_pp.memory.materialize import materialize
 from lightning_pp.split.pruned import StageModules, pruned_stages
 from lightning_pp.split.stage import Placement, find_layers, get_path
 from lightning_pp.split.tied import place_stand_ins
+from lightning_pp.split.traced import Tracer
 
 
 def check_no_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
@@ -78,24 +79,31 @@ def mixed_precision_policy(precision: str) -> Any:
     return MixedPrecisionPolicy()
 
 
-def shard_pruned_stages(
+def shard_stages(
     module: nn.Module,
     views: dict[int, nn.Module],
     placement: Placement,
     mesh: Any,
-    reshard: Reshard,
+    options: PipelineOptions,
     device: torch.device,
-    init_fn: InitFn | None = None,
     mp_policy: Any = None,
     loaded: Collection[str] = frozenset(),
+    tracer: Tracer | None = None,
+    recompute: Callable[[Mapping[str, nn.Module]], None] | None = None,
 ) -> StageModules:
-    """This rank's stage modules (``split="prune"``), each the FSDP root of its stage over ``mesh`` (the stage's
-    replicas); ``module`` (the rank's pruned module) then holds the sharded Parameters."""
+    """This rank's stage modules, each the FSDP root of its stage over ``mesh`` (the stage's replicas): the
+    user's forward on the pruned view, or (``tracer``) the batch's traced piece; ``module`` (the rank's pruned
+    module) then holds the sharded Parameters."""
     place_stand_ins(module, views, placement, list(views))
-    modules = pruned_stages(views, placement)(True, None)  # type: ignore[arg-type]
-    _shard_stages(views, dict(zip(views, modules)), placement, mesh, reshard, device, init_fn, mp_policy, loaded)
+    if tracer is None:
+        modules = pruned_stages(views, placement)(True, None)  # type: ignore[arg-type]
+        make: StageModules = lambda train, call: modules  # noqa: E731
+    else:
+        modules, make = tracer.sharded_stages(views, device, recompute)
+    roots = dict(zip(views, modules))
+    _shard_stages(views, roots, placement, mesh, options.fsdp_reshard, device, options.init_fn, mp_policy, loaded)
     adopt_parameters(module, views.values())
-    return lambda train, call: modules
+    return make
 
 
 def _shard_stages(

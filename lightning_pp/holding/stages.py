@@ -27,7 +27,7 @@ from lightning_pp.checkpoints.formats import (
 )
 from lightning_pp.checkpoints.pretrained import Pretrained, WeightMap, load_weights, match_weights, open_pretrained
 from lightning_pp.checkpoints.restore import PendingRestore, restore_stage
-from lightning_pp.holding.sharding import repoint_optimizers, shard_pruned_stages
+from lightning_pp.holding.sharding import repoint_optimizers, shard_stages
 from lightning_pp.layout.options import PipelineOptions
 from lightning_pp.memory.materialize import materialize
 from lightning_pp.memory.recompute import checkpoint_layers
@@ -84,17 +84,10 @@ class Holding:
             views = {s: stage_view(local, placement, [s]) for s in stages}
             self.sharded = self.shard_over is not None and self.pruned
             if self.sharded:
-                made = shard_pruned_stages(
-                    local,
-                    views,
-                    placement,
-                    self.shard_over,
-                    self.options.fsdp_reshard,
-                    device,
-                    self.options.init_fn,
-                    self.mp_policy,
-                    self.loaded,
-                )  # type: ignore[arg-type]
+                made = shard_stages(
+                    local, views, placement, self.shard_over, self.options, device, self.mp_policy, self.loaded,
+                    tracer, self._recompute,
+                )  # fmt: skip
             else:
                 materialize(local, device, init_fn=self.options.init_fn, loaded=self.loaded)
                 made = tracer.stages(views, device, self._recompute) if tracer else pruned_stages(views, placement)

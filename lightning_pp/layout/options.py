@@ -148,10 +148,11 @@ def _check_combinations(o: PipelineOptions) -> None:
             " to the user's modules in configure_model, which the traced pieces do not run. Use split='prune' (the"
             " default) with tensor parallelism."
         )
-    if o.split == "trace" and o.data_parallel == "fsdp":
+    if o.split == "trace" and o.data_parallel == "fsdp" and o.fsdp_reshard == "microbatch":
         raise PipelineConfigError(
-            "split='trace' with data_parallel='fsdp' is not supported yet: the traced pieces are rebuilt per batch"
-            " shape, FSDP needs one root per stage. Use data_parallel='ddp' with split='trace', or split='prune'."
+            "split='trace' with fsdp_reshard='microbatch' is not supported yet: the traced pieces call none of the"
+            " user's modules, whose FSDP units would reshard after each of them. Use fsdp_reshard='step' with"
+            " split='trace', or split='prune'."
         )
     if o.asynchronous:
         unsupported = {

@@ -53,6 +53,9 @@ _ALTERNATIVES = (
 _Key = tuple[int, int]  # (stage, index): one output of one traced piece
 
 
+_Binding = tuple[dict[str, Any], str, str]  # a module's slots, the slot, the view's name for its tensor
+
+
 @dataclass(frozen=True)
 class _Trace:
     """The tracer's pieces (on meta) and how values flow between them.
@@ -156,6 +159,30 @@ class Tracer:
             return built[id(trace)]
 
         return make
+
+    def sharded_stages(
+        self,
+        views: dict[int, nn.Module],
+        device: torch.device,
+        recompute: Callable[[Mapping[str, nn.Module]], None] | None = None,
+    ) -> tuple[list[StageModule], StageModules]:
+        """Under FSDP: one module per stage for every batch signature, holding the stage's view (the FSDP root
+        above its units), which runs the signature's piece; and what hands the modules out per batch."""
+        roots = [_ShardedTracedStage(views[s], s, self.n_stages, self.skeleton) for s in views]
+        built: dict[int, list[tuple[nn.Module, list[_Binding]]]] = {}
+
+        def make(train: bool, call: ModelCall) -> list[StageModule]:
+            trace = self.trace(train, call)
+            if id(trace) not in built:
+                built[id(trace)] = [_adopt(trace.pieces[s], views[s], self._prefix, device, bound=True) for s in views]
+                if recompute is not None:
+                    for piece, _ in built[id(trace)]:
+                        recompute(self._layers_of(piece))
+            for root, (piece, bindings) in zip(roots, built[id(trace)]):
+                root.use(piece, bindings, trace)
+            return roots  # type: ignore[return-value]
+
+        return roots, make  # type: ignore[return-value]
 
 
 def traced_placement(
@@ -322,12 +349,14 @@ def _used(module: nn.Module, prefix: str = "") -> set[str]:
     return used
 
 
-def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device) -> nn.Module:
-    """``piece`` holding the view's real tensors under the same names, and running on ``device``.
+def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device, bound: bool = False) -> Any:
+    """``piece`` holding the view's real tensors under the same names, and running on ``device`` (with
+    ``bound``, also where each of the view's tensors sits in it, to be bound again later).
 
     A tensor the piece's graphs never use (the tracer leaves the first piece a stray reference to a tied
     weight) is dropped, so that no meta tensor remains among the stage's parameters.
     """
+    bindings: list[_Binding] = []
     used = _used(piece)
     for name, tensor in list(_tensors(piece)):
         *path, attr = name.split(".")
@@ -337,6 +366,7 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
             del slots[attr]
         elif _holds(view, prefix + name):
             slots[attr] = get_path(view, prefix + name)
+            bindings.append((slots, attr, prefix + name))
         else:  # a number forward made into a tensor (see _OnMeta)
             slots[attr] = tensor.to(device)
     for sub in piece.modules():
@@ -352,7 +382,7 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device)
                 node.kwargs = map_aggregate(node.kwargs, lambda v: _device(v, device))
             if isinstance(sub, fx.GraphModule):
                 sub.recompile()
-    return piece
+    return (piece, bindings) if bound else piece
 
 
 class _OnMeta(TorchFunctionMode):
@@ -451,10 +481,45 @@ class _TracedStage(StageModule):
         self.stage, self._trace = index, trace
 
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
+        return self._run(self.piece, received, mb)
+
+    def _run(self, piece: nn.Module, received: tuple, mb: torch.Tensor) -> Any:
         index, (_, args, kwargs) = self.call_of(mb)
         trace = self._trace
         bound = _bind(self._model[0], args, kwargs) if any(k == "root" for k, _ in trace.sources[self.stage]) else {}
-        values = trace.run(self.stage, received, bound, self.piece)
+        values = trace.run(self.stage, received, bound, piece)
         if self.is_last:
             return self.keep_output(index, tree_unflatten([values[k] for k in trace.outputs], trace.out_spec))
         return tuple(values[key] for key in trace.carry[self.stage])
+
+
+class _ShardedTracedStage(_TracedStage):
+    """``split="trace"`` under FSDP: the stage's FSDP root, the same module for every batch signature.
+
+    The traced piece calls none of the user's modules, so their FSDP units never run the hook that gathers
+    their parameters: the root gathers every unit before the piece runs and binds the piece to the gathered
+    tensors. Gradients land on those; torch's stage reduce-scatters them at the end of the step, as it does
+    for a pruned stage (``perform_reduce_grad``). The piece is not a submodule: its tensors are the view's.
+    """
+
+    def __init__(self, view: nn.Module, index: int, n_stages: int, model: nn.Module) -> None:
+        StageModule.__init__(self, is_last=index == n_stages - 1)
+        self.view = view
+        self._model = [model]
+        self.stage = index
+        self._piece: list[tuple[nn.Module, list[_Binding]]] = []
+
+    def use(self, piece: nn.Module, bindings: list[_Binding], trace: _Trace) -> None:
+        self._piece[:] = [(piece, bindings)]
+        self._trace = trace
+
+    def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
+        from torch.distributed.fsdp import FSDPModule
+
+        for unit in self.view.modules():
+            if isinstance(unit, FSDPModule):
+                unit.unshard()  # a no-op for a unit already gathered in this step
+        piece, bindings = self._piece[0]
+        for slots, attr, name in bindings:
+            slots[attr] = get_path(self.view, name)
+        return self._run(piece, received, mb)
