@@ -63,6 +63,16 @@ def test_hf_llama_on_meta_reads_its_sharded_safetensors_under_1f1b_and_exports_t
     assert len(list(saved["llama"].glob("*.safetensors"))) > 2
     cfg = dict(LLAMA, schedule="1f1b", devices=2, build="init_module", pretrained=str(saved["llama"]))
     _compare(dict(cfg, state_dict_type="sharded"), common(cfg), tmp_path, reference, export=True)
+    # the sharded checkpoint just written (a DCP directory, weights beside optimizer state) as init_weights
+    pretrained = open_pretrained(tmp_path / "job" / "final.ckpt")
+    with empty_weights():
+        model = HFLlama()
+    assert pretrained.format == "dcp" and set(pretrained.shapes) == set(model.state_dict())  # no optimizer state
+    weights = match_weights(pretrained, model)
+    assert weights.prefix == ""  # the checkpoint's names are the module's
+    materialize(model, loaded=frozenset(weights.keys))
+    assert load_weights(pretrained, weights, model) == sum(t.numel() * 4 for t in model.state_dict().values())
+    assert_state_equal(model.state_dict(), load_sharded(tmp_path / "job" / "final.ckpt")["state_dict"], 0.0)
 
 
 def test_an_eager_hf_llama_has_its_random_weights_replaced_under_gpipe(saved, tmp_path, reference):
@@ -104,22 +114,6 @@ def test_fsdp_replicas_of_a_seed_convention_module_read_their_slices_of_a_rename
         cfg, build="init_module", init_weights=str(saved["root"] / "renamed.pt"), init_weights_keys="renamed"
     )
     _compare(job_cfg, dict(combined(cfg), reference_state=str(saved["tiny"])), tmp_path, reference)
-
-
-def test_a_dcp_directory_is_read_as_init_weights(saved, tmp_path):
-    # lightning-pp's own sharded checkpoint (weights beside optimizer state), read into a meta-built module
-    job = ok(run_job({**LLAMA, "schedule": "1f1b", "devices": 2, "state_dict_type": "sharded", "max_steps": 2,
-                      "strategy": "pipeline"}, tmp_path / "job"))  # fmt: skip
-    dcp_dir = job.out / "final.ckpt"
-    pretrained = open_pretrained(dcp_dir)
-    with empty_weights():
-        model = HFLlama()
-    assert pretrained.format == "dcp" and set(pretrained.shapes) == set(model.state_dict())  # no optimizer state
-    weights = match_weights(pretrained, model)
-    assert weights.prefix == ""  # the checkpoint's names are the module's
-    materialize(model, loaded=frozenset(weights.keys))
-    assert load_weights(pretrained, weights, model) == sum(t.numel() * 4 for t in model.state_dict().values())
-    assert_state_equal(model.state_dict(), load_sharded(dcp_dir)["state_dict"], 0.0)
 
 
 def test_names_that_do_not_match_are_refused_with_what_is_missing(saved):
