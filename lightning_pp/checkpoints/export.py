@@ -73,15 +73,15 @@ def _hf_names(names: list[str], export: Mapping[str, Any]) -> tuple[dict[str, st
     written once (a tied tensor's second name is left to the model's config, as ``save_pretrained`` does)."""
     keys, hf = export.get("keys", {}), export.get("hf")
     prefix = hf["prefix"] if hf is not None else ""
-    out: dict[str, str] = {}
+    out: dict[str, str] = {}  # key -> the first name written under it
     left_out: list[str] = []
     for name in names:
         key = keys.get(name) or (name[len(prefix) :] if name.startswith(prefix) else None)
         if key is None:
             left_out.append(name)
-        elif key not in out.values():
-            out[name] = key
-    return out, left_out
+        else:
+            out.setdefault(key, name)
+    return {name: key for key, name in out.items()}, left_out
 
 
 def _files(names: Mapping[str, str], state: Mapping[str, torch.Tensor], limit: int) -> dict[int, list[str]]:

@@ -48,9 +48,6 @@ class Pretrained:
     shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     strip: str = ""  # a prefix every key of the file carries that is not part of the weights' names
 
-    def key_of(self, name: str) -> str:
-        return self.strip + name
-
 
 @dataclass(frozen=True)
 class WeightMap:
@@ -87,7 +84,8 @@ def match_weights(pretrained: Pretrained, module: nn.Module, keys: KeyFn | None 
     Refuses, naming them, parameters that neither the checkpoint nor ``keys`` provide, checkpoint keys that
     no tensor takes, and shapes that differ; says once where a dtype is cast.
     """
-    aliases = _aliases(module)  # one entry per tensor: all its names
+    state = module.state_dict(keep_vars=True)
+    aliases = _aliases(state)  # one entry per tensor: all its names
     names = [n for group in aliases for n in group]
     prefix, by_prefix = _best_prefix(names, set(pretrained.shapes))
     found: dict[str, str] = {}
@@ -128,7 +126,6 @@ def match_weights(pretrained: Pretrained, module: nn.Module, keys: KeyFn | None 
             f" {type(module).__name__} takes ({_how_names_matched(prefix)}): {_few(unused)}. Is it the"
             " checkpoint of this model and configuration? Map its names with PipelineStrategy(init_weights_keys=fn)."
         )
-    state = module.state_dict(keep_vars=True)
     wrong = {n: (pretrained.shapes[k][0], tuple(state[n].shape)) for n, k in found.items() if n in state}
     wrong = {n: s for n, s in wrong.items() if s[0] != s[1]}
     if wrong:
@@ -155,7 +152,7 @@ def load_weights(pretrained: Pretrained, weights: WeightMap, module: nn.Module) 
     wanted: dict[str, torch.Tensor] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
         if name in weights.keys and tensor is not None:
-            wanted.setdefault(pretrained.key_of(weights.keys[name]), tensor.detach())
+            wanted.setdefault(weights.keys[name], tensor.detach())
     if not wanted:
         return 0
     with torch.no_grad():
@@ -165,18 +162,7 @@ def load_weights(pretrained: Pretrained, weights: WeightMap, module: nn.Module) 
                 local_tensor(tensor).copy_(local_tensor(shard_like(state[key], tensor)))
         else:
             _dcp_load(pretrained, wanted)
-    return sum(
-        local_tensor(t).numel() * pretrained.shapes[k[len(pretrained.strip) :]][1].itemsize for k, t in wanted.items()
-    )
-
-
-def uninitialised_ok(weights: WeightMap | None, module: nn.Module, name: str) -> bool:
-    """Whether the module called ``name`` may go without an initialiser: the checkpoint sets all its tensors."""
-    if weights is None:
-        return False
-    own = [f"{name}.{n}" if name else n for n, _ in module.named_parameters(recurse=False)]
-    own += [f"{name}.{n}" if name else n for n, b in module.named_buffers(recurse=False) if b is not None]
-    return bool(own) and all(n in weights.keys for n in own)
+    return sum(local_tensor(t).numel() * pretrained.shapes[k][1].itemsize for k, t in wanted.items())
 
 
 def _dcp_load(pretrained: Pretrained, wanted: dict[str, torch.Tensor]) -> None:
@@ -186,7 +172,7 @@ def _dcp_load(pretrained: Pretrained, wanted: dict[str, torch.Tensor]) -> None:
 
     with _reader_path(pretrained) as where:
         reader = FileSystemReader(where) if pretrained.format == "dcp" else HuggingFaceStorageReader(str(where))
-        dcp.load(wanted, storage_reader=reader, no_dist=True)
+        dcp.load({pretrained.strip + k: t for k, t in wanted.items()}, storage_reader=reader, no_dist=True)
 
 
 @contextlib.contextmanager
@@ -242,10 +228,10 @@ def _torch_state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
-def _aliases(module: nn.Module) -> list[list[str]]:
-    """Every tensor of the module's state dict once, with all the names it goes by (tied ones have several)."""
+def _aliases(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
+    """Every tensor of a module's state dict once, with all the names it goes by (tied ones have several)."""
     groups: dict[int, list[str]] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    for name, tensor in state.items():
         if tensor is not None:
             groups.setdefault(id(tensor), []).append(name)
     return list(groups.values())

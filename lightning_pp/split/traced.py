@@ -508,6 +508,7 @@ class _ShardedTracedStage(_TracedStage):
         self._model = [model]
         self.stage = index
         self._piece: list[tuple[nn.Module, list[_Binding]]] = []
+        self._units: list[nn.Module] = []  # the view's FSDP units, found at the first call (sharded by then)
 
     def use(self, piece: nn.Module, bindings: list[_Binding], trace: _Trace) -> None:
         self._piece[:] = [(piece, bindings)]
@@ -516,9 +517,9 @@ class _ShardedTracedStage(_TracedStage):
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
         from torch.distributed.fsdp import FSDPModule
 
-        for unit in self.view.modules():
-            if isinstance(unit, FSDPModule):
-                unit.unshard()  # a no-op for a unit already gathered in this step
+        self._units = self._units or [m for m in self.view.modules() if isinstance(m, FSDPModule)]
+        for unit in self._units:
+            unit.unshard()  # a no-op for a unit already gathered in this step
         piece, bindings = self._piece[0]
         for slots, attr, name in bindings:
             slots[attr] = get_path(self.view, name)
