@@ -1,6 +1,7 @@
 """One rank of a pretrained load: ``init_weights`` on a meta build, or ``from_pretrained`` on every rank; rank 0
-writes every rank's peak memory growth (counted from before the model is built), its
-stage's parameter bytes and the time to the end of the first step.
+writes every rank's peak memory growth (counted from before the model is built) over the whole run and up to
+the end of the load (``init_weights``: the strategy's read at the first batch; ``from_pretrained``: the
+module's constructor), its stage's parameter bytes and names, and the time to the end of the first step.
 
     torchrun --nproc_per_node P run_pretrained.py ROUTE DIR OUT     (ROUTE: init_weights | from_pretrained)
 """
@@ -19,6 +20,7 @@ from common import proc_kib
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
+import lightning_pp.holding.stages
 from lightning_pp import PipelineStrategy
 
 
@@ -49,6 +51,17 @@ class FirstStep(Callback):
         self.hwm = proc_kib("VmHWM:") * 1024
 
 
+def growth_at_end_of(function, record: dict, before: int):
+    """``function``, recording the peak growth up to its return: the load inside the strategy's first batch."""
+
+    def run(*args, **kwargs):
+        out = function(*args, **kwargs)
+        record["load_peak_growth"] = proc_kib("VmHWM:") * 1024 - before
+        return out
+
+    return run
+
+
 if __name__ == "__main__":
     from transformers import AutoConfig
 
@@ -67,15 +80,19 @@ if __name__ == "__main__":
     before, start = proc_kib("VmRSS:") * 1024, time.perf_counter()
     first = FirstStep(start)
     trainer.callbacks.append(first)
+    record: dict = {}
     if route == "init_weights":
         with trainer.init_module(empty_init=True):
             model = Llama(config)
+        holding = lightning_pp.holding.stages
+        holding.load_weights = growth_at_end_of(holding.load_weights, record, before)
     else:
         model = Llama(path=path)
+        record["load_peak_growth"] = proc_kib("VmHWM:") * 1024 - before
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     tokens = torch.randint(0, config.vocab_size, (64, 16), generator=torch.Generator().manual_seed(0))
     trainer.fit(model, DataLoader(tokens, batch_size=16))
-    row = {**first.first, "peak_growth": first.hwm - before,
+    row = {**first.first, **record, "peak_growth": first.hwm - before, "names": list(model.state_dict()),
            "stage_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}  # fmt: skip
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, row)
