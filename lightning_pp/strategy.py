@@ -14,7 +14,6 @@ import torch.distributed as dist
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.seed import reset_seed
@@ -48,8 +47,8 @@ from lightning_pp.layout.schedule import (
     check_loaders,
     default_microbatches,
 )
-from lightning_pp.lifecycle.exit import close_process_groups_at_exit
 from lightning_pp.lifecycle.launch import PipelineLauncher
+from lightning_pp.lifecycle.rendezvous import connect
 from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
 from lightning_pp.memory.materialize import check_initializers, check_materialized, empty_weights
 from lightning_pp.runtime.grads import StepGradients, add_gradients, step_gradients, window_starts
@@ -213,9 +212,7 @@ class PipelineStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self.options.timeout, device_id=device_id)
-        close_process_groups_at_exit()
+        connect(self.cluster_environment, backend, self.options.timeout, self.root_device)
         self._groups = make_groups(layout, self.root_device.type)
         self._holding.shard_over = self._groups.mesh["data_parallel"] if self.options.data_parallel == "fsdp" else None
         self._holding.mp_policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", ""))

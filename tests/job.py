@@ -97,30 +97,6 @@ class MemoryLogger(Logger):
         self.rows.append({"step": step, **{k: float(v) for k, v in metrics.items()}})
 
 
-class ResumableLoader:
-    """A train loader Lightning saves and restores mid-epoch (``state_dict``): a run resumed from a mid-epoch
-    checkpoint reads the batches the uninterrupted run read (a plain DataLoader restarts its epoch)."""
-
-    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
-        self.loader, self.start, self.served = loader, 0, 0
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        start, self.start, self.served = self.start, 0, self.start
-        for i, batch in enumerate(self.loader):
-            if i >= start:
-                self.served = i + 1
-                yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"served": self.served}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.start = state["served"]
-
-
 class TwoBWReference(Callback):
     """PipeDream-2BW's semantics in one process: every batch of optimizer window n runs on W(n-1) (W(-1) = W(0));
     at the window's end its gradients move to the live weights W(n), which become the next window's, and the
@@ -295,17 +271,28 @@ class Overflow(Callback):
 
 
 class Pid(Callback):
-    """Records each rank's pid (so tests can check no rank outlives the job) and kills one on request."""
+    """Records each rank's pid (so tests can check no rank outlives the job) and kills ranks on request: ``kills``
+    maps a launcher's attempt (``TORCHELASTIC_RESTART_COUNT``) to ``[rank, batch, where]``, the batch counted over
+    epochs, ``where`` "start" (before the batch) or "step" (after its backward, before the optimizer step)."""
 
-    def __init__(self, out: Path, kill_rank: int | None, kill_step: int) -> None:
-        self.out, self.kill_rank, self.kill_step = out, kill_rank, kill_step
+    def __init__(self, out: Path, kills: dict[str, list]) -> None:
+        self.out, self.kill = out, kills.get(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         (self.out / f"pid{trainer.global_rank}").write_text(str(os.getpid()))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        (self.out / f"attempt{attempt}_rank{trainer.global_rank}").touch()
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_rank == self.kill_rank and batch_idx == self.kill_step:
-            os.kill(os.getpid(), signal.SIGKILL)
+    def _maybe_die(self, trainer, where: str) -> None:
+        if self.kill is not None and self.kill[2] == where and trainer.global_rank == self.kill[0]:
+            if trainer.fit_loop.epoch_loop.total_batch_idx == self.kill[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self._maybe_die(trainer, "start")
+
+    def on_before_optimizer_step(self, trainer, *args) -> None:
+        self._maybe_die(trainer, "step")
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -333,8 +320,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         rank, world = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))), cfg["devices"]
         sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=world, rank=rank, shuffle=False)
         train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
-    if cfg.get("resumable"):
-        train = ResumableLoader(train)
+    if cfg.get("resumable"):  # Lightning saves its position: a resumed run reads on where the checkpoint was
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        train = StatefulDataLoader(train.dataset, batch_size=train.batch_size, sampler=train.sampler)
     if cfg["strategy"] == "single":
         strategy: Any = "auto"
         devices = 1
@@ -361,10 +350,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         )
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()
-    callbacks: list[Callback] = [seen, Pid(out, cfg.get("kill_rank"), cfg.get("kill_step", 2))]
+    callbacks: list[Callback] = [seen, Pid(out, cfg.get("kills", {}))]
     if cfg.get("reference_2bw"):
         callbacks.append(TwoBWReference())
     os.environ.update(cfg.get("env", {}))
+    os.environ.update(cfg.get("attempt_env", {}).get(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), {}))
     if cfg.get("monitor_pipeline"):
         callbacks.append(lightning_pp.PipelineMonitor(dirpath=out))
     if cfg.get("save_every"):

@@ -154,8 +154,7 @@ def test_partial_last_batch_that_cannot_split_is_reported_before_training(tmp_pa
 
 
 def test_a_killed_rank_ends_the_job(tmp_path):
-    job = run_job(
-        dict(strategy="pipeline", devices=2, m=2, kill_rank=1, timeout=30), tmp_path / "job", timeout=90, launcher=True
-    )
+    cfg = dict(strategy="pipeline", devices=2, m=2, kills={"0": [1, 2, "start"]}, timeout=30)
+    job = run_job(cfg, tmp_path / "job", timeout=90, launcher=True)
     assert job.returncode != 0 and job.seconds < 60
     assert_all_ranks_gone(job.out, 2)
