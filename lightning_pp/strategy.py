@@ -27,11 +27,11 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_pp.checkpoints.asynchronous import ShardedSaves
 from lightning_pp.checkpoints.export import EXPORT_KEY
 from lightning_pp.checkpoints.formats import (
     gather_model_state,
     is_complete,
-    save_sharded,
 )
 from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.checkpoints.swap import fault_point, swapped_in
@@ -121,13 +121,14 @@ class PipelineStrategy(ParallelStrategy):
         init_weights_keys: Optional[options.KeyFn] = None,
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
+        async_save: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.options = options.PipelineOptions(
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
-            microbatch_weight, init_fn, init_weights, init_weights_keys, timeout, process_group_backend,
+            microbatch_weight, init_fn, init_weights, init_weights_keys, timeout, process_group_backend, async_save,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend
@@ -137,6 +138,7 @@ class PipelineStrategy(ParallelStrategy):
         self._runner: Optional[PipelineRunner] = None
         self._relay: Optional[ReportRelay] = None
         self._holding = Holding(self.options)
+        self._saves = ShardedSaves(background=self.options.async_save)
         self._step_grads: StepGradients = []
         self._pending: Optional[PendingRestore] = None
         self._replace_random_samplers = False
@@ -177,14 +179,9 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def layout(self) -> Layout:
         """This rank's place in the (replica, stage, tensor-parallel shard) grid."""
-        return make_layout(
-            self.options.pipeline_parallel_size,
-            self.world_size,
-            self.global_rank,
-            self.options.schedule,
-            self.options.stages_per_rank,
-            self.options.tensor_parallel_size,
-        )
+        o = self.options
+        return make_layout(o.pipeline_parallel_size, self.world_size, self.global_rank, o.schedule, o.stages_per_rank,
+                           o.tensor_parallel_size)  # fmt: skip
 
     @property
     def n_stages(self) -> int:
@@ -537,17 +534,23 @@ class PipelineStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
         ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete
-        checkpoint."""
+        checkpoint. Sharded saves may run in the background (``checkpoints.asynchronous``)."""
         rank, checkpoint[EXPORT_KEY] = self.global_rank, self._holding.export_names(self.lightning_module)
+        if self.options.state_dict_type == "sharded":  # every rank holds its own piece, or one shard per stage
+            every = has_dtensors(self.lightning_module)
+            writers, group = (None, None) if every else (self.layout.pipeline_ranks(0), self._groups.pp)
+            self._saves.save(
+                checkpoint, Path(filepath), rank, self.barrier, group, writers, self.lightning_module.trainer
+            )
+            return
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
-            if self.options.state_dict_type == "sharded":
-                if has_dtensors(self.lightning_module):  # every rank holds its own piece
-                    save_sharded(checkpoint, partial, rank, None)
-                elif self.layout.replica == 0:  # one shard per stage, not per replica
-                    save_sharded(checkpoint, partial, rank, self._groups.pp)
-            elif self.is_global_zero:
+            if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, partial, storage_options=storage_options)
                 fault_point(rank, "torn", tear=partial)
+
+    @override
+    def on_train_end(self) -> None:
+        self._saves.complete(self.global_rank, self.barrier)  # async_save: the save in flight lands
 
     @override
     def teardown(self) -> None:

@@ -347,6 +347,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             timeout=cfg.get("timeout", 60),
             init_weights=cfg.get("pretrained") or cfg.get("init_weights"),
             init_weights_keys=KEYS.get(cfg.get("init_weights_keys")),
+            async_save=cfg.get("async_save", False),
         )
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()

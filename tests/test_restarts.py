@@ -29,7 +29,16 @@ def assert_like_uninterrupted(job, cfg: dict, reference, tmp_path) -> None:
     if final.is_dir():
         final = consolidate(final, tmp_path / "final_full.ckpt")
     state = torch.load(final, weights_only=False)["state_dict"]
-    restarts = ("save_every", "save_last", "resume", "resumable", "kills", "attempt_env", "state_dict_type")
+    restarts = (
+        "save_every",
+        "save_last",
+        "resume",
+        "resumable",
+        "kills",
+        "attempt_env",
+        "state_dict_type",
+        "async_save",
+    )
     plain = {k: v for k, v in common(cfg).items() if k not in restarts}
     one = reference(**{**plain, "batch": cfg["batch"] // cfg["m"], "accumulate": cfg["m"] * cfg.get("accumulate", 1)})
     assert set(state) == set(one["state"])
@@ -49,12 +58,13 @@ def test_1f1b_full_checkpoints_come_back_from_three_kills(tmp_path, reference):
     assert_like_uninterrupted(job, cfg, reference, tmp_path)
 
 
-def test_zbv_sharded_checkpoints_come_back_from_two_kills(tmp_path, reference):
+def test_zbv_async_sharded_checkpoints_come_back_from_two_kills(tmp_path, reference):
+    # saves in the background (async_save): each completes at the next save, or at the end of fit
     # attempt 0: rank 0 dies before the fourth batch (resumes from step 2)
-    # attempt 1: rank 1 dies after writing its shards of step 4's checkpoint, before it is renamed into place
-    # (resumes from step 2 again)
+    # attempt 1: rank 1 dies while its shards of step 4's checkpoint are being written (resumes from step 2 again)
     cfg = {**RESTARTS, "strategy": "pipeline", "schedule": "zbv", "devices": 2, "m": 4, "state_dict_type": "sharded",
-           "kills": {"0": [0, 3, "start"]}, "attempt_env": {"1": {FAULT_ENV: "1:1:written"}}}  # fmt: skip
+           "async_save": True, "kills": {"0": [0, 3, "start"]},
+           "attempt_env": {"1": {FAULT_ENV: "1:1:staged"}}}  # fmt: skip
     job = ok(run_job(cfg, tmp_path / "job", timeout=300, command=torchrun(2)))
     assert sorted(p.name for p in job.out.glob("attempt*")) == [f"attempt{a}_rank{r}" for a in range(3) for r in (0, 1)]
     assert (job.out / "ckpts" / "last.ckpt").is_dir()

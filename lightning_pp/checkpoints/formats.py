@@ -160,15 +160,21 @@ def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, group: dist.
     Global rank 0 then writes the rest of the checkpoint, whose file marks the directory complete."""
     import torch.distributed.checkpoint as dcp
 
+    shards, rest = split_sharded(checkpoint)
+    dcp.save(shards, checkpoint_id=path, process_group=group)
+    fault_point(rank, "torn")
+    if rank == 0:
+        torch.save(rest, path / META_FILE)
+
+
+def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A checkpoint as DCP's shards (weights, optimizer state) and the rest, which ``META_FILE`` holds."""
     shards = {
         "model": checkpoint.pop("state_dict"),
         "optimizers": {str(i): {"state": opt["state"]} for i, opt in enumerate(checkpoint.get("optimizer_states", []))},
     }
     groups = [opt["param_groups"] for opt in checkpoint.pop("optimizer_states", [])]
-    dcp.save(shards, checkpoint_id=path, process_group=group)
-    fault_point(rank, "torn")
-    if rank == 0:
-        torch.save({**checkpoint, "optimizer_param_groups": groups}, path / META_FILE)
+    return shards, {**checkpoint, "optimizer_param_groups": groups}
 
 
 def is_sharded(path: Path) -> bool:

@@ -23,8 +23,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # Deterministic faults for tests: "<rank>:<n>:<point>" kills that rank at ``point`` of its n-th save
-# (``<rank>:<n>`` alone: at "written"). Points, in order: start, torn (the part half-written), written,
-# swapped (between the two renames, or after the exchange), landed (in place, before the cleanup).
+# (``<rank>:<n>`` alone: at "written"). Points, in order: start, torn (the part half-written), staged (an
+# async_save's write under way), written, swapped (between the two renames, or after the exchange), landed (in
+# place, before the cleanup).
 FAULT_ENV = "LIGHTNING_PP_KILL_DURING_SAVE"
 NO_EXCHANGE_ENV = "LIGHTNING_PP_NO_RENAME_EXCHANGE"  # "1": the fallback, as where renameat2 is missing
 _saves = 0  # this process's saves so far, for FAULT_ENV
@@ -34,22 +35,33 @@ _saves = 0  # this process's saves so far, for FAULT_ENV
 def swapped_in(
     path: Path, rank: int, barrier: Callable[[str], None], complete: Callable[[Path], bool]
 ) -> Iterator[Path]:
-    """One save, on every rank: yields where to write this rank's part, then moves the whole into place.
+    """One save, on every rank: yields where to write this rank's part, then moves the whole into place."""
+    partial = begin_save(path, rank, barrier, complete)
+    yield partial
+    finish_save(partial, path, rank, barrier)
 
-    Rank 0 first puts back what an interrupted save left aside and clears leftovers, before any rank
-    writes; after the block, once every rank has written (``barrier``), rank 0 swaps the checkpoint in.
-    """
+
+def begin_save(path: Path, rank: int, barrier: Callable[[str], None], complete: Callable[[Path], bool]) -> Path:
+    """Where every rank writes its part of the save to ``path``. Rank 0 first puts back what an interrupted save
+    left aside and clears leftovers, before any rank writes."""
     global _saves
     _saves += 1
     if rank == 0:
         _prepare(path, complete)
     barrier("save_checkpoint_start")
     fault_point(rank, "start")
-    partial = _partial_path(path)
-    yield partial
+    return _partial_path(path)
+
+
+def finish_save(
+    partial: Path, path: Path, rank: int, barrier: Callable[[str], None], last: Callable[[], None] | None = None
+) -> None:
+    """Once every rank has written its part (``barrier``), rank 0 completes it (``last``) and swaps it in."""
     fault_point(rank, "written")
     barrier("save_checkpoint")
     if rank == 0:
+        if last is not None:
+            last()
         _replace_atomically(partial, path, rank)
 
 

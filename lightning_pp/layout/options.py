@@ -62,6 +62,7 @@ class PipelineOptions:
     init_weights_keys: Optional[KeyFn] = None
     timeout: Optional[Union[timedelta, float]] = None
     process_group_backend: Optional[str] = None
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         schedule = normalize_schedule(self.schedule)
@@ -136,6 +137,11 @@ def _check_choice(argument: str, value: str, choices: dict[str, str]) -> None:
 
 def _check_combinations(o: PipelineOptions) -> None:
     """Arguments that work alone but not together."""
+    if o.async_save and o.state_dict_type != "sharded":
+        raise PipelineConfigError(
+            f"async_save=True with state_dict_type={o.state_dict_type!r}: a save runs in the background as each"
+            " rank's own shard (torch.distributed.checkpoint.async_save). Set state_dict_type='sharded'."
+        )
     if o.data_parallel == "fsdp" and o.fsdp_reshard == "microbatch" and o.split_backward:
         raise PipelineConfigError(
             f"fsdp_reshard='microbatch' with schedule={o.schedule!r}: the zero-bubble and V schedules split each"
