@@ -123,6 +123,13 @@ def test_default_job_writes_results_and_learns(tmp_path):
     for rank in range(2):
         info = json.loads((run_dir / f"rank{rank}.json").read_text())
         assert info["world_size"] == 2 and info["strategy"]["schedule"] == "1f1b" and info["threads"] == 1
+    # the same command in the same run directory (a restarted job) goes on from its last checkpoint (resume=last)
+    again = app([*QUICK, "trainer.limit_train_batches=4", "trainer.max_epochs=2", f"hydra.run.dir={run_dir}"], tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"Restoring states from the checkpoint path at {run_dir / 'checkpoints' / 'last.ckpt'}" in again.stderr
+    with (run_dir / "logs" / "version_1" / "metrics.csv").open() as f:
+        steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("train_loss")]
+    assert steps == [40, 41, 42, 43], steps
 
 
 def test_hf_gpt2_trains_through_the_app_split_by_the_tracer(tmp_path):

@@ -128,8 +128,8 @@ def test_entered_costs_plan_hardware_this_machine_does_not_have():
 
 def test_the_planner_app_writes_a_ranked_plan_whose_rows_run(tmp_path):
     overrides = ["plan.schedules=[1f1b,gpipe,zbv]", "plan.microbatches=[2,4]", "plan.activation_checkpointing=[false]",
-                 "plan.verify_top=1", "plan.verify_steps=6", "plan.calibrate_steps=6", "plan.top=5",
-                 "data.n_train=128"]  # fmt: skip
+                 "plan.verify_top=1", "plan.verify_steps=4", "plan.calibrate_steps=4", "plan.top=5",
+                 "data.n_train=64"]  # fmt: skip
     run = subprocess.run([sys.executable, "-m", "lightning_pp.plan", *overrides, f"hydra.run.dir={tmp_path}"],
                          env=child_env(), capture_output=True, text=True, timeout=400)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]

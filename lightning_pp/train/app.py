@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_pp.callbacks import PipelineMonitor
@@ -119,7 +119,7 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     data = instantiate(cfg.data)
 
     start = time.perf_counter()
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=resume_from(cfg.get("resume"), trainer))
     train_loss = trainer.callback_metrics.get("train_loss")
     validated = trainer.validate(model, datamodule=data, verbose=False)  # empty under limit_val_batches=0
     val_loss = validated[0].get("val_loss") if validated else None
@@ -167,6 +167,17 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     for child in getattr(trainer.strategy.launcher, "procs", []):
         child.wait(timeout=_CHILD_EXIT_S)
     return result
+
+
+def resume_from(resume: str | None, trainer: L.Trainer) -> str | None:
+    """``resume=last`` where a checkpoint callback of this run has written a ``last`` checkpoint (Lightning then
+    takes the newest), else a fresh start without Lightning's warning that there was nothing to resume."""
+    if resume != "last":
+        return resume
+    found = any(
+        c._find_last_checkpoints(trainer) for c in trainer.checkpoint_callbacks if isinstance(c, ModelCheckpoint)
+    )
+    return "last" if found else None
 
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_pp.conf", config_name="config")
