@@ -29,10 +29,7 @@ from typing_extensions import override
 
 from lightning_pp.checkpoints.asynchronous import ShardedSaves
 from lightning_pp.checkpoints.export import EXPORT_KEY
-from lightning_pp.checkpoints.formats import (
-    gather_model_state,
-    is_complete,
-)
+from lightning_pp.checkpoints.formats import gather_model_state, is_complete
 from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.checkpoints.swap import fault_point, swapped_in
 from lightning_pp.holding.sharding import (

@@ -84,14 +84,12 @@ def _join(launcher: dist.Store, host: str, timeout: timedelta) -> dist.Store:
 def _check_in(store: dist.Store, rank: int, world: int, timeout: timedelta) -> None:
     """Every rank of the attempt arrives, or the ones that did name the ones that did not."""
     store.set(f"{_ARRIVED}/{rank}", "1")
-    arrived = store.add(_ARRIVED, 1)
-    deadline = time.monotonic() + timeout.total_seconds()
-    while arrived < world:
-        if time.monotonic() >= deadline:
-            missing = [r for r in range(world) if not store.check([f"{_ARRIVED}/{r}"])]
-            raise TimeoutError(
-                f"Ranks {missing} of {world} did not start within the process-group timeout ({timeout}); rank"
-                f" {rank} stops. Look at those ranks' logs; PipelineStrategy(timeout=...) sets how long ranks wait."
-            )
-        time.sleep(0.05)
-        arrived = store.add(_ARRIVED, 0)
+    arrivals = [f"{_ARRIVED}/{r}" for r in range(world)]
+    try:
+        store.wait(arrivals, timeout)
+    except (RuntimeError, dist.DistError):
+        missing = [r for r, key in enumerate(arrivals) if not store.check([key])]
+        raise TimeoutError(
+            f"Ranks {missing} of {world} did not start within the process-group timeout ({timeout}); rank"
+            f" {rank} stops. Look at those ranks' logs; PipelineStrategy(timeout=...) sets how long ranks wait."
+        ) from None
