@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -270,10 +271,19 @@ class Overflow(Callback):
             )
 
 
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 class Pid(Callback):
     """Records each rank's pid (so tests can check no rank outlives the job) and kills ranks on request: ``kills``
     maps a launcher's attempt (``TORCHELASTIC_RESTART_COUNT``) to ``[rank, batch, where]``, the batch counted over
-    epochs, ``where`` "start" (before the batch) or "step" (after its backward, before the optimizer step)."""
+    epochs, ``where`` "start" (before the batch) or "step" (after its backward, before the optimizer step). A fourth
+    element "STOP" stops the rank instead (SIGSTOP); it is then killed once a peer has exited, as torchrun's agent
+    kills the rest of a failed job, and ``stopped`` records how long after the stop that was."""
 
     def __init__(self, out: Path, kills: dict[str, list]) -> None:
         self.out, self.kill = out, kills.get(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -286,7 +296,20 @@ class Pid(Callback):
     def _maybe_die(self, trainer, where: str) -> None:
         if self.kill is not None and self.kill[2] == where and trainer.global_rank == self.kill[0]:
             if trainer.fit_loop.epoch_loop.total_batch_idx == self.kill[1]:
+                if self.kill[3:] == ["STOP"]:
+                    self._killed_after_a_peer_exits(trainer.world_size, trainer.global_rank)
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+    def _killed_after_a_peer_exits(self, world_size: int, rank: int) -> None:
+        stopped, start = os.getpid(), time.monotonic()
+        peers = [int((self.out / f"pid{r}").read_text()) for r in range(world_size) if r != rank]
+        if os.fork() == 0:
+            while all(_running(p) for p in peers) and time.monotonic() - start < 300:
+                time.sleep(0.1)
+            (self.out / "stopped").write_text(str(time.monotonic() - start))
+            os.kill(stopped, signal.SIGKILL)
+            os._exit(0)
 
     def on_train_batch_start(self, trainer, *args) -> None:
         self._maybe_die(trainer, "start")

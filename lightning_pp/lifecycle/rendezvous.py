@@ -27,8 +27,10 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import ClusterEnvironment
 from lightning.fabric.utilities.distributed import _init_dist_connection
+from torch.distributed.distributed_c10d import _get_default_store
 
 from lightning_pp.lifecycle.exit import close_process_groups_at_exit
+from lightning_pp.lifecycle.heartbeat import start_heartbeat
 
 _WHERE = "lightning_pp/attempt_store"  # in the launcher's store: "PORT TOKEN" of the newest attempt
 _TOKEN = "lightning_pp/token"
@@ -37,10 +39,12 @@ _PROBE = timedelta(seconds=2)  # connecting to a port of a dead attempt: refused
 
 
 def connect(environment: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device) -> None:
-    """The default process group (once per process), closed at exit."""
+    """The default process group (once per process), closed at exit, and this rank's heartbeat."""
     device_id = device if device.type != "cpu" else None
     _init_dist_connection(environment, backend, timeout=timeout, device_id=device_id, **_attempt_store(timeout))
     close_process_groups_at_exit()
+    if dist.get_world_size() > 1:
+        start_heartbeat(_get_default_store(), dist.get_rank(), timeout)
 
 
 def _attempt_store(timeout: timedelta) -> dict[str, dist.Store]:

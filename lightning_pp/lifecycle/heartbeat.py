@@ -1,0 +1,68 @@
+"""A rank that stops without dying (SIGSTOP, a debugger, a frozen node) is named, not only waited for.
+
+A stopped process closes no connection: the ranks waiting on it learn only that a receive timed out
+after the process-group timeout (gloo: "Timed out waiting ...ms for recv operation"), which says
+nothing about which rank to look at, and in a pipeline the rank that times out is usually a
+neighbour of the stopped one, not the stopped one itself. Every rank therefore counts up its own key
+in the job's store from a thread of its own; a stopped process stops counting, a busy or blocked one
+does not. When a step times out, the counters that no longer move name the ranks that stopped.
+
+Reading the counters costs one store round trip per rank and happens only after a timeout, so the
+store's load does not grow with the square of the job's size.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+_BEATS = "lightning_pp/beat"
+_INTERVAL_S = (0.2, 5.0)  # a tenth of the timeout, within these bounds
+_STILL_BEATS = 3  # a counter that has not moved over this many intervals has stopped
+
+
+class _Heartbeat:
+    def __init__(self, store: dist.Store, rank: int, timeout: timedelta) -> None:
+        self.store, self.rank = store, rank
+        self.interval = min(max(timeout.total_seconds() / 10, _INTERVAL_S[0]), _INTERVAL_S[1])
+        self._stop = threading.Event()
+        store.add(f"{_BEATS}/{rank}", 1)
+        threading.Thread(target=self._beat, name="lightning_pp-heartbeat", daemon=True).start()
+        atexit.register(self._stop.set)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.add(f"{_BEATS}/{self.rank}", 1)
+            except Exception:  # noqa: BLE001  (the store's host has gone: the job is ending, and this thread with it)
+                return
+
+    def counts(self, world_size: int) -> list[int]:
+        return [self.store.add(f"{_BEATS}/{r}", 0) for r in range(world_size)]
+
+
+_running: _Heartbeat | None = None
+
+
+def start_heartbeat(store: dist.Store, rank: int, timeout: timedelta) -> None:
+    """Start this process's counter (once per process, like its process group)."""
+    global _running
+    if _running is None:
+        _running = _Heartbeat(store, rank, timeout)
+
+
+def stopped_ranks(world_size: int) -> list[int]:
+    """The other ranks whose counters do not move (waits a few beat intervals to see)."""
+    if _running is None:
+        return []
+    try:
+        before = _running.counts(world_size)
+        time.sleep(_STILL_BEATS * _running.interval)
+        after = _running.counts(world_size)
+    except (dist.DistStoreError, dist.DistNetworkError):  # the store's host is the rank that stopped or died
+        return []
+    return [r for r in range(world_size) if r != _running.rank and before[r] == after[r]]
