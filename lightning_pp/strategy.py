@@ -547,7 +547,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_train_end(self) -> None:
-        self._saves.complete(self.global_rank, self.barrier)  # async_save: the save in flight lands
+        self._saves.complete(self.global_rank, self.barrier, end=True)  # async_save: the save in flight lands
 
     @override
     def teardown(self) -> None:

@@ -42,6 +42,7 @@ class ShardedSaves:
     def __init__(self, background: bool) -> None:
         self.background = background
         self._group: dist.ProcessGroup | None = None
+        self._stager: Any = None
         self._in_flight: _InFlight | None = None
 
     def save(
@@ -65,29 +66,37 @@ class ShardedSaves:
                     save_sharded(checkpoint, partial, rank, group)
             return
         from torch.distributed.checkpoint import async_save
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._group is None:  # every rank creates it, at its first background save
             self._group = dist.new_group(writers, backend="gloo")
+        if self._stager is None:
+            # one stager for a fit's saves: it keeps its copies and refills them, where a new one per save
+            # allocates the whole shard again (page faults: 1.3 s of the 300 MB stage here); pinned for CUDA
+            self._stager = DefaultStager(StagingOptions(torch.cuda.is_available(), False, False, False))
         partial = begin_save(path, rank, barrier, is_complete)
         write = None
         if writes:
             shards, rest = split_sharded(checkpoint)
-            write = async_save(shards, checkpoint_id=partial, process_group=self._group)
+            write = async_save(shards, checkpoint_id=partial, process_group=self._group, async_stager=self._stager)
             if rank == 0:  # the directory may not exist yet: the writer makes it in its thread
                 partial.mkdir(parents=True, exist_ok=True)
                 torch.save(rest, partial / _STAGED_META)
             fault_point(rank, "staged")
         self._in_flight = _InFlight(path, partial, write)
 
-    def complete(self, rank: int, barrier: Callable[[str], None]) -> None:
-        """The save in flight, if any, lands (every rank, in the main thread)."""
+    def complete(self, rank: int, barrier: Callable[[str], None], end: bool = False) -> None:
+        """The save in flight, if any, lands (every rank, in the main thread); at the ``end`` of fit the staging
+        copies are let go."""
         flight, self._in_flight = self._in_flight, None
-        if flight is None:
-            return
-        if flight.write is not None:
-            flight.write.result()
+        if flight is not None:
+            if flight.write is not None:
+                flight.write.result()
 
-        def move_meta() -> None:
-            os.replace(flight.partial / _STAGED_META, flight.partial / META_FILE)
+            def move_meta() -> None:
+                os.replace(flight.partial / _STAGED_META, flight.partial / META_FILE)
 
-        finish_save(flight.partial, flight.path, rank, barrier, last=move_meta)
+            finish_save(flight.partial, flight.path, rank, barrier, last=move_meta)
+        if end and self._stager is not None:
+            self._stager.close()
+            self._stager = None
