@@ -22,6 +22,9 @@ LARGE = dict(vocab=64, dim=1024, n_layers=12, n_heads=16, seq_len=8, steps=2)
 # steps left out before timing: the first also runs torch's shape inference
 WARMUP = 3
 HERE = Path(__file__).parent
+# where the strategy benchmarks run and write (scripts/gpu_check.sh: cuda, and a folder of their own)
+ACCELERATOR = os.environ.get("BENCH_ACCELERATOR", "cpu")
+RESULTS = Path(os.environ.get("BENCH_RESULTS", HERE / "results"))
 
 
 def launch(script: str, *args: Any, extra: str | None = None, ranks: int | None = 2) -> dict[str, Any]:
@@ -68,7 +71,7 @@ def pipeline_trainer(schedule: str, m: int, steps: int, callbacks: list[Any], **
     from lightning_pp import PipelineStrategy
 
     return L.Trainer(
-        accelerator="cpu",
+        accelerator=ACCELERATOR,
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", 2)),
         strategy=PipelineStrategy(schedule=schedule, n_microbatches=m, **strategy),
         max_steps=steps,
@@ -87,6 +90,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())],
     }
 
 

@@ -12,11 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from pathlib import Path
 
-from common import WARMUP, launch, machine, median_spread, step_times
-
-HERE = Path(__file__).parent
+from common import RESULTS, WARMUP, launch, machine, median_spread, step_times
 
 
 def timed_run(script: str, schedule: str, m: int, steps: int) -> list[float]:
@@ -42,7 +39,7 @@ def main() -> None:
         "step_s": {name: median_spread(values) for name, values in runs.items()},
         "ratio": statistics.median(runs["strategy"]) / statistics.median(runs["raw"]),
     }  # fmt: skip
-    path = HERE / "results" / "overhead.json"
+    path = RESULTS / "overhead.json"
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
 

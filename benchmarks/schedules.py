@@ -17,11 +17,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from common import WARMUP, launch, machine, median_spread, step_times
+from common import RESULTS, WARMUP, launch, machine, median_spread, step_times
 
 from lightning_pp.layout.schedule import SCHEDULES
-
-HERE = Path(__file__).parent
 
 
 def main() -> None:
@@ -36,7 +34,7 @@ def main() -> None:
         for name in SCHEDULES:
             with tempfile.TemporaryDirectory() as tmp:
                 run = launch("run_strategy.py", name, args.m, args.steps, extra=json.dumps({"monitor": tmp}))
-                shutil.copy(Path(tmp) / "pipeline_schedule.png", HERE / "results" / f"schedule_{name}.png")
+                shutil.copy(Path(tmp) / "pipeline_schedule.png", RESULTS / f"schedule_{name}.png")
             steps[name] += step_times(run["ends"])
             bubbles[name] += run["bubbles"][WARMUP:]
             print(name, statistics.median(steps[name]), statistics.median(bubbles[name]), flush=True)
@@ -49,7 +47,7 @@ def main() -> None:
             for name in SCHEDULES
         ],
     }
-    (HERE / "results" / "schedules.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / "schedules.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

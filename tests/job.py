@@ -394,7 +394,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         precision = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
         callbacks.append(Overflow(cfg.get("inf_step")))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=cfg.get("accelerator", "cpu"),
         devices=devices,
         num_nodes=cfg.get("num_nodes", 1),
         strategy=strategy,
@@ -439,6 +439,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "whole_bytes": whole_bytes,
         "peak_growth": usage.peak_growth,
         "read_first_batch": usage.read_first_batch,
+        "param_devices": sorted({str(p.device) for p in model.parameters()}),
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
+        "scale": scaler.get_scale() if (scaler := getattr(trainer.precision_plugin, "scaler", None)) else None,
     }
     if "plugins" in precision:
         overflow = next(c for c in callbacks if isinstance(c, Overflow))

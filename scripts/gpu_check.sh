@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The CUDA checks, on whatever NVIDIA GPUs this machine has:
+#   bash scripts/gpu_check.sh [OUT]        (OUT: benchmarks/results/gpu by default)
+# Runs tests/test_gpu.py (NCCL between stages, stages materialised on their device, FSDP2 inside stages,
+# fp16 with the CUDA GradScaler, bf16-mixed, 2BW, CUDA-event telemetry; each skips, saying why, where the
+# machine has too few GPUs), then the overhead and schedule benchmarks on 2 GPUs. Writes OUT/tests.xml
+# (JUnit: what passed, failed, skipped), OUT/overhead_*.json and OUT/schedules.json.
+# Uses .venv (scripts/setup.sh), or the Python in $PYTHON: a CUDA build of torch is needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out="$(realpath -m "${1:-benchmarks/results/gpu}")"
+python="${PYTHON:-.venv/bin/python}"
+mkdir -p "$out"
+gpus="$("$python" -c 'import torch; print(torch.cuda.device_count())')"
+if [ "$gpus" -lt 1 ]; then
+    echo "gpu_check: torch $("$python" -c 'import torch; print(torch.__version__)') sees no CUDA device" >&2
+    exit 1
+fi
+nvidia-smi -L || true
+status=0
+"$python" -m pytest -q -rs -m gpu tests/test_gpu.py --junitxml "$out/tests.xml" || status=$?
+if [ "$gpus" -ge 2 ]; then
+    export BENCH_ACCELERATOR=cuda BENCH_RESULTS="$out"
+    for schedule in gpipe 1f1b; do
+        "$python" benchmarks/overhead.py --schedule "$schedule" --rounds 3
+        mv "$out/overhead.json" "$out/overhead_$schedule.json"
+    done
+    "$python" benchmarks/schedules.py
+else
+    echo "gpu_check: the benchmarks need 2 GPUs (2 stages); this machine has $gpus" >&2
+fi
+exit "$status"

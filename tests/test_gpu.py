@@ -1,0 +1,105 @@
+"""On CUDA: the paths the CPU suite cannot take (NCCL between stages, stages materialised on their device,
+FSDP2 inside stages, the CUDA GradScaler, bf16 autocast, 2BW, CUDA-event telemetry), each against one GPU
+running the same module on the same data. They skip on a machine without enough GPUs, saying how many they
+need; ``scripts/gpu_check.sh`` runs them with the benchmarks on whatever GPUs it finds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import ok, run_job
+from test_2bw import assert_follows
+from test_parity import assert_same_logs, common
+from test_tied import assert_state_equal, combined
+
+GPUS = torch.cuda.device_count()
+# a pipeline's micro-batches reach cuBLAS in other shapes than one process's batches: kernels sum in other orders
+LOSS_TOL, PARAM_TOL = 1e-3, 1e-4
+
+pytestmark = pytest.mark.gpu
+
+
+def gpus(n: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        GPUS < n, reason=f"needs {n} CUDA device(s), this machine has {GPUS}: run scripts/gpu_check.sh on a GPU machine"
+    )
+
+
+CUDA = dict(accelerator="cuda", batch=8, n_train=32, n_val=16, sanity=0, timeout=120)
+
+
+def pipelined(cfg: dict, tmp_path, name: str = "job"):
+    return ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / name, timeout=600, launcher=True))
+
+
+@gpus(2)
+@pytest.mark.parametrize("schedule, m", [("1f1b", 2), ("zbv", 4)])
+def test_nccl_between_stages_trains_as_one_gpu(schedule, m, tmp_path, reference):
+    cfg = dict(CUDA, schedule=schedule, devices=2, m=m)
+    job = pipelined(cfg, tmp_path)
+    for r in range(2):  # each rank on its own device, over NCCL
+        assert job.rank(r)["backend"] == "nccl" and job.rank(r)["param_devices"] == [f"cuda:{r}"]
+    ref = reference(**common(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+
+
+@gpus(1)
+def test_one_gpu_holds_both_stages_of_a_v(tmp_path, reference):
+    cfg = dict(CUDA, schedule="zbv", devices=1, m=4)
+    job = pipelined(cfg, tmp_path)
+    assert job.rank(0)["param_devices"] == ["cuda:0"]
+    ref = reference(**common(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+
+
+@gpus(2)
+def test_a_meta_built_model_is_materialised_on_each_rank_s_device(tmp_path, reference):
+    cfg = dict(CUDA, model="init", build="init_module", devices=2, m=2)
+    job = pipelined(cfg, tmp_path)
+    for r in range(2):
+        assert job.rank(r)["meta_params"] == 0 and job.rank(r)["param_devices"] == [f"cuda:{r}"]
+    ref = reference(**common(cfg))  # the same build, materialised by the pipeline's rule
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+
+
+@gpus(4)
+def test_fsdp_inside_stages_trains_as_one_gpu(tmp_path, reference):
+    cfg = dict(CUDA, devices=4, pp=2, data_parallel="fsdp", schedule="1f1b", m=2, sync_dist=True, max_steps=6)
+    job = pipelined(cfg, tmp_path)
+    ref = reference(**combined(cfg))
+    assert_same_logs(job.rank(0), ref, LOSS_TOL)
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+
+
+@gpus(2)
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_on_cuda_trains_as_one_gpu(precision, tmp_path, reference):
+    # 16-mixed: Lightning's CUDA GradScaler, one scale for every stage
+    cfg = dict(CUDA, schedule="gpipe", devices=2, m=2, precision=precision)
+    job = pipelined(cfg, tmp_path)
+    ref = reference(**common(cfg))
+    assert_same_logs(job.rank(0), ref, 5e-3)  # half-precision activations: the tolerance of one rounding
+    if precision == "16-mixed":
+        assert job.rank(0)["scale"] == job.rank(1)["scale"] == ref["scale"]
+
+
+@gpus(2)
+def test_2bw_on_cuda_follows_its_one_gpu_semantics(tmp_path, reference):
+    cfg = dict(CUDA, model="tiny", devices=2, m=4, optimizer="sgd", lr=0.05, n_train=64)
+    ref = reference(**cfg, reference_2bw=True)
+    job = pipelined({**cfg, "schedule": "2bw"}, tmp_path)
+    assert_follows(job, 2, ref)
+
+
+@gpus(2)
+def test_the_timeline_is_timed_with_cuda_events(tmp_path):
+    job = pipelined(dict(CUDA, schedule="1f1b", devices=2, m=4, batch=32, n_train=128, monitor_pipeline=True), tmp_path)
+    trace = json.loads((job.out / "pipeline_trace.json").read_text())
+    for stage in range(2):
+        compute = [e for e in trace["traceEvents"] if e["tid"] == stage and e["cat"] in ("forward", "backward")]
+        assert len(compute) == 8 and all(e["dur"] > 0 for e in compute)
+    bubbles = [r["pipeline/bubble"] for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
+    assert bubbles and all(0 < b < 1 for b in bubbles)
