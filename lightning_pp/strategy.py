@@ -31,19 +31,14 @@ from lightning_pp.checkpoints.asynchronous import ShardedSaves
 from lightning_pp.checkpoints.export import EXPORT_KEY
 from lightning_pp.checkpoints.formats import gather_model_state, is_complete
 from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, open_checkpoint
+from lightning_pp.checkpoints.resume import resume_exactly
 from lightning_pp.checkpoints.swap import fault_point, swapped_in
-from lightning_pp.holding.sharding import (
-    check_no_user_sharding,
-    mixed_precision_policy,
-)
+from lightning_pp.holding.sharding import check_no_user_sharding, mixed_precision_policy
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout import options
 from lightning_pp.layout.dtensors import has_dtensors
 from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
-from lightning_pp.layout.schedule import (
-    check_loaders,
-    default_microbatches,
-)
+from lightning_pp.layout.schedule import check_loaders, default_microbatches
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.lifecycle.rendezvous import connect
 from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
@@ -511,6 +506,7 @@ class PipelineStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Either format, from any layout, without reading its tensors: each rank reads its own at the first batch."""
         checkpoint, self._pending = open_checkpoint(Path(checkpoint_path), weights_only)
+        resume_exactly(getattr(self.lightning_module, "_trainer", None), checkpoint)  # a fit: where it left off
         return checkpoint
 
     @override

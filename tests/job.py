@@ -343,6 +343,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         rank, world = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))), cfg["devices"]
         sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=world, rank=rank, shuffle=False)
         train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
+    if cfg.get("shuffle"):  # what Lightning gives replicas: a sampler that Lightning tells each epoch
+        sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=1, rank=0, seed=cfg.get("seed", 0))
+        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
     if cfg.get("resumable"):  # Lightning saves its position: a resumed run reads on where the checkpoint was
         from torchdata.stateful_dataloader import StatefulDataLoader
 

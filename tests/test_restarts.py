@@ -46,26 +46,31 @@ def assert_like_uninterrupted(job, cfg: dict, reference, tmp_path) -> None:
         assert torch.allclose(state[key], value, atol=PARAM_TOL, rtol=0), (key, (state[key] - value).abs().max())
 
 
-def test_1f1b_full_checkpoints_come_back_from_three_kills(tmp_path, reference):
+def test_1f1b_full_checkpoints_come_back_from_five_kills(tmp_path, reference):
     # attempt 0: rank 1 dies inside an accumulation window, mid-epoch (resumes from step 2)
     # attempt 1: rank 0 dies halfway through writing step 4's checkpoint (resumes from step 2 again)
     # attempt 2: rank 1 dies after a backward, before its optimizer step, in the second epoch (resumes from step 4)
-    kills = {"0": [1, 5, "start"], "2": [1, 9, "step"]}
+    # attempts 3 and 4: killed before step 6, again from step 4: a resumed attempt must not checkpoint step 4 a
+    # second time after its first batch (mid-window: Lightning's ModelCheckpoint would), or this attempt skips one
+    # shuffled by a DistributedSampler: an epoch resumed mid-way must be drawn in its own order, not epoch 0's
+    kills = {"0": [1, 5, "start"], "2": [1, 9, "step"], "3": [0, 10, "start"], "4": [1, 11, "step"]}
     cfg = {**RESTARTS, "strategy": "pipeline", "schedule": "1f1b", "devices": 2, "m": 2, "accumulate": 2,
-           "kills": kills, "attempt_env": {"1": {FAULT_ENV: "0:1:torn"}}}  # fmt: skip
-    job = ok(run_job(cfg, tmp_path / "job", timeout=300, command=torchrun(3)))
-    assert sorted(p.name for p in job.out.glob("attempt*")) == [f"attempt{a}_rank{r}" for a in range(4) for r in (0, 1)]
+           "shuffle": True, "kills": kills, "attempt_env": {"1": {FAULT_ENV: "0:1:torn"}}}  # fmt: skip
+    job = ok(run_job(cfg, tmp_path / "job", timeout=400, command=torchrun(5)))
+    assert sorted(p.name for p in job.out.glob("attempt*")) == [f"attempt{a}_rank{r}" for a in range(6) for r in (0, 1)]
     assert_like_uninterrupted(job, cfg, reference, tmp_path)
 
 
-def test_zbv_async_sharded_checkpoints_come_back_from_two_kills(tmp_path, reference):
+def test_zbv_async_sharded_checkpoints_come_back_from_three_kills(tmp_path, reference):
     # saves in the background (async_save): each completes at the next save, or at the end of fit
     # attempt 0: rank 0 dies before the fourth batch (resumes from step 2)
     # attempt 1: rank 1 dies while its shards of step 4's checkpoint are being written (resumes from step 2 again)
+    # attempt 2: rank 1 dies with step 8's save in flight: resumes from step 6's, written on the epoch's last batch
+    # (where Lightning would run the finished epoch again on the exhausted loader and lose the next one)
     cfg = {**RESTARTS, "strategy": "pipeline", "schedule": "zbv", "devices": 2, "m": 4, "state_dict_type": "sharded",
-           "async_save": True, "kills": {"0": [0, 3, "start"]},
+           "async_save": True, "kills": {"0": [0, 3, "start"], "2": [1, 9, "start"]},
            "attempt_env": {"1": {FAULT_ENV: "1:1:staged"}}}  # fmt: skip
-    job = ok(run_job(cfg, tmp_path / "job", timeout=300, command=torchrun(2)))
-    assert sorted(p.name for p in job.out.glob("attempt*")) == [f"attempt{a}_rank{r}" for a in range(3) for r in (0, 1)]
+    job = ok(run_job(cfg, tmp_path / "job", timeout=400, command=torchrun(3)))
+    assert sorted(p.name for p in job.out.glob("attempt*")) == [f"attempt{a}_rank{r}" for a in range(4) for r in (0, 1)]
     assert (job.out / "ckpts" / "last.ckpt").is_dir()
     assert_like_uninterrupted(job, cfg, reference, tmp_path)
