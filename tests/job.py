@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads are counted)
 from models import (  # noqa: E402
     HFGPT2,
+    BatchNormGPT,
     DelegatingGPT,
     HFGPT2Cache,
     HFGPT2Logits,
@@ -73,6 +74,7 @@ MODELS = {
     "gpt2_twice": HFGPT2Twice,
     "gpt2_cache": HFGPT2Cache,
     "llama": HFLlama,
+    "batchnorm": BatchNormGPT,
 }
 
 

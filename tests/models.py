@@ -154,6 +154,27 @@ def loader(n: int, batch_size: int, seed: int = 0, seq: int = 8, vocab: int = 32
     return DataLoader(Tokens(n, seq, vocab, seed, pad), batch_size=batch_size, shuffle=False)
 
 
+class BatchNormBlock(nn.Module):
+    """A residual block normalised by BatchNorm: running statistics, buffers that every training forward updates."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.block = ResidualBlock(dim)
+        self.norm = nn.BatchNorm1d(dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.block(h).transpose(1, 2)).transpose(1, 2)
+
+
+class BatchNormGPT(TinyGPT):
+    """TinyGPT whose blocks carry BatchNorm: each micro-batch's forward updates them once, as one process's."""
+
+    def make_net(self) -> Net:
+        net = super().make_net()
+        net.blocks = nn.ModuleDict({name: BatchNormBlock(self.hparams.dim) for name in net.blocks})
+        return net
+
+
 class NoSkipGPT(TinyGPT):
     """Breaks the seed convention: forward calls the embedding even where it is None."""
 

@@ -14,6 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_pp"
 # bottom to top: a wing may import only wings to its left
 ORDER = [
     "errors",
+    "compat",
     "layout",
     "lifecycle",
     "memory",
@@ -68,10 +69,10 @@ def _graph() -> dict[str, set[str]]:
     return {_module_name(p): _imports(p) for p in PACKAGE.rglob("*.py") if _wing(_module_name(p)) not in DATA}
 
 
-def test_top_level_holds_the_strategy_errors_and_wings() -> None:
+def test_top_level_holds_the_strategy_errors_torch_shims_and_wings() -> None:
     modules = {p.stem for p in PACKAGE.glob("*.py")}
     wings = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} - DATA
-    assert modules == {"__init__", "errors", "strategy", "callbacks", "consolidate"}
+    assert modules == {"__init__", "errors", "compat", "strategy", "callbacks", "consolidate"}
     assert modules | wings == set(ORDER)
 
 
@@ -94,7 +95,7 @@ def test_each_wing_says_what_it_is_for_and_what_it_imports() -> None:
         doc = ast.get_docstring(ast.parse(init.read_text())) or ""
         said = re.search(r"Imports:(.*)", doc, re.S)
         assert doc and said, f"{init}: a docstring that says what the wing is for and ends with 'Imports: ...'"
-        declared = set(re.findall(r"``(\w+)``", said.group(1))) | {"errors", wing}
+        declared = set(re.findall(r"``(\w+)``", said.group(1))) | {"errors", "compat", wing}
         if "strategy" in said.group(1):
             declared.add("strategy")
         used = {_wing(d) for m, deps in graph.items() if _wing(m) == wing for d in deps} - DATA

@@ -44,3 +44,15 @@ def test_module_shape_trains_as_one_process(name, tmp_path, reference):
     assert job.state().keys() == ref["state"].keys()  # every layer under its one-process name
     if cfg.get("params"):
         assert_exact_parameters(job, cfg, reference)
+
+
+def test_batchnorm_statistics_follow_the_microbatches(tmp_path, reference):
+    # BatchNorm normalises by what it sees, a micro-batch: the pipeline equals one process stepping every m
+    # micro-batches, running statistics included (updated once per micro-batch's forward, never by torch's shape
+    # inference). Its blocks transpose their input, so the gradient a stage sends back is made contiguous.
+    cfg = dict(model="batchnorm", schedule="1f1b", devices=2, m=2, batch=8, n_train=32, n_val=16, optimizer="sgd",
+               lr=0.5)  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    assert_exact_parameters(job, cfg, reference)
+    state = job.state()
+    assert int(state["net.blocks.b3.norm.num_batches_tracked"]) == 2 * 4  # 2 micro-batches in each of 4 steps

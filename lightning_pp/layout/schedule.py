@@ -23,6 +23,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.utils._pytree import tree_flatten
 
+from lightning_pp.compat import with_send_waits
 from lightning_pp.errors import PipelineConfigError
 
 SCHEDULES: dict[str, type[_PipelineSchedule]] = {
@@ -233,6 +234,6 @@ class _ForwardOnlyV(_PipelineScheduleRuntime):
             )
             for r in range(pp)
         }
-        self.pipeline_order_with_comms = _add_send_recv(
-            self.pipeline_order, stage_to_rank=lambda s: mapping[s], num_stages=n
+        self.pipeline_order_with_comms = with_send_waits(
+            _add_send_recv(self.pipeline_order, stage_to_rank=lambda s: mapping[s], num_stages=n)
         )

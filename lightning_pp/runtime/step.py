@@ -21,6 +21,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
+from lightning_pp.compat import buffers_kept_through_metadata_inference
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
 from lightning_pp.lifecycle.failure import failures_shared
@@ -35,6 +36,18 @@ from lightning_pp.split.stage import patched, running_stages
 from lightning_pp.split.tied import SharedParameters
 
 _MAX_CACHED_SHAPES = 4
+
+
+def _reshard(module: nn.Module) -> None:
+    """Evaluation leaves FSDP's parameters gathered (no backward reshards them). torch 2.15's end of the next
+    training step then reshards only what that step gathered, so the step after it ran on the gathered copy
+    from before the optimizer stepped (the loss of the second step after a validation off by 0.26); resharded
+    here, every step gathers the current shards, and evaluation's gathered copy is not held into training."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
 
 
 def _initialized(schedule: _PipelineSchedule) -> bool:
@@ -163,6 +176,8 @@ class PipelineRunner:
                         average_gradients(self.module.parameters(), self._average_over)
                 else:
                     schedule.eval(mb=sample_index, target=target, return_outputs=False)
+                    if self._sharded is not None:
+                        _reshard(self.module)
             self.last_events = list(events)
         finally:
             for wrapper in self._wrappers:
@@ -185,7 +200,9 @@ class PipelineRunner:
         if key not in self._schedules:
             wrappers = self._make_stages(train, call)
             stages = [
-                PipelineStage(self._replicated(w), index, self.n_stages, self.device, group=self.group)
+                buffers_kept_through_metadata_inference(
+                    PipelineStage(self._replicated(w), index, self.n_stages, self.device, group=self.group)
+                )
                 for w, index in zip(wrappers, self.stage_indices)
             ]
             schedule = self._build(stages, n_microbatches, train)

@@ -56,6 +56,20 @@ def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageMod
     return lambda train, call: modules
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, with its gradient made contiguous. torch's stage sends a stage's input gradient back in a
+    buffer with the gradient's own strides, and gloo and NCCL take only contiguous tensors: a stage whose first
+    op transposes its input failed with "input tensor has to be contiguous"."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
 class _PrunedStage(StageModule):
     """The user's ``forward`` on this rank's pruned module (a view holding one stage)."""
 
@@ -67,6 +81,7 @@ class _PrunedStage(StageModule):
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
         index, (entry, args, kwargs) = self.call_of(mb)
         model = get_path(self.module, entry)
+        received = tuple(_ContiguousGrad.apply(t) if t.requires_grad else t for t in received)
         if received:
             args, kwargs = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
         try:
@@ -82,10 +97,10 @@ class _PrunedStage(StageModule):
             ) from error
         if self.is_last:
             return self.keep_output(index, out)
-        if isinstance(out, torch.Tensor) or (
-            isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out)
-        ):
-            return out
+        if isinstance(out, torch.Tensor):  # sent as is: gloo and NCCL refuse a non-contiguous tensor (a transpose)
+            return out.contiguous()
+        if isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out):
+            return tuple(t.contiguous() for t in out)
         raise PipelineConfigError(
             f"forward returned {type(out).__name__} on a stage that is not the last; a stage must hand the next"
             " one a tensor (or a tuple of tensors): return the hidden state when the later parts are None."
