@@ -51,30 +51,32 @@ def failures_shared(rank: int, world_size: int) -> Iterator[None]:
     try:
         yield
     except Exception as error:
-        if not _answers(store):
+        silence = _silence(store)
+        if silence is not None:
             raise PipelinePeerError(
-                f"Pipeline rank 0 stopped or died: the job's store, which it hosts, has not answered for"
-                f" {_STORE_ANSWER_S:.0f} s, so rank {rank} stops. Look at rank 0; a launcher with restarts"
-                " (torchrun --max-restarts) starts the job again."
+                f"Pipeline rank 0 stopped or died: the job's store, which it hosts, {silence}, so rank {rank} stops."
+                " Look at rank 0's log; a launcher with restarts (torchrun --max-restarts) starts the job again."
             ) from error
         _share(store, error, rank, world_size)
         raise
 
 
-def _answers(store: dist.Store) -> bool:
-    """Whether the store's host answers; asked from a thread, since a store request to a stopped host never
-    returns (the client's timeout bounds only waits for keys)."""
-    done, answered = threading.Event(), []
+def _silence(store: dist.Store) -> str | None:
+    """How the store's host fails to answer, or None when it answers. Asked from a thread: a store request to a
+    stopped host never returns (the client's timeout bounds only waits for keys)."""
+    done, failures = threading.Event(), []
 
     def ask() -> None:
         try:
-            answered.append(store.add(_READ_KEY, 0))
-        except Exception:  # noqa: BLE001  (a host that has died: the connection is refused or reset)
-            pass
+            store.add(_READ_KEY, 0)
+        except Exception as failure:  # noqa: BLE001  (a host that has exited: the connection is refused or reset)
+            failures.append(failure)
         done.set()
 
     threading.Thread(target=ask, daemon=True).start()
-    return done.wait(_STORE_ANSWER_S) and bool(answered)
+    if not done.wait(_STORE_ANSWER_S):
+        return f"has not answered for {_STORE_ANSWER_S:.0f} s"
+    return f"is gone ({failures[0]})".splitlines()[0] if failures else None
 
 
 def _share(store: dist.Store, error: Exception, rank: int, world_size: int) -> None:
