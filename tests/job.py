@@ -273,7 +273,7 @@ class Overflow(Callback):
             )
 
 
-def _running(pid: int) -> bool:
+def process_running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] not in "ZX"
     except (FileNotFoundError, IndexError):
@@ -307,7 +307,7 @@ class Pid(Callback):
         stopped, start = os.getpid(), time.monotonic()
         peers = [int((self.out / f"pid{r}").read_text()) for r in range(world_size) if r != rank]
         if os.fork() == 0:
-            while all(_running(p) for p in peers) and time.monotonic() - start < 300:
+            while all(process_running(p) for p in peers) and time.monotonic() - start < 300:
                 time.sleep(0.1)
             (self.out / "stopped").write_text(str(time.monotonic() - start))
             os.kill(stopped, signal.SIGKILL)

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
 from conftest import run_job
+from job import process_running
 from models import TinyGPT
 
 from lightning_pp import PipelineConfigError, PipelineStrategy
@@ -87,21 +87,13 @@ def test_checks_before_the_first_batch():
     assert layout.pipeline_ranks(1) == [5, 7] and not layout.writes_full_checkpoint
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return not open(f"/proc/{pid}/stat").read().split()[2] == "Z"
-
-
 def assert_all_ranks_gone(out, n: int) -> None:
     deadline = time.monotonic() + 10
     pids = [int((out / f"pid{r}").read_text()) for r in range(n) if (out / f"pid{r}").exists()]
     assert len(pids) == n
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(process_running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert not any(process_running(p) for p in pids)
 
 
 def test_forward_that_does_not_skip_none_stops_every_rank_with_the_message(tmp_path):
