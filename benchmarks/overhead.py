@@ -1,47 +1,82 @@
 """Step time of ``Trainer(strategy=PipelineStrategy(...))`` against raw ``torch.distributed.pipelining``.
 
-    python benchmarks/overhead.py [--schedule 1f1b] [--m 8] [--rounds 3] [--steps 15]
+    python benchmarks/overhead.py [--shapes gpt,encoder,...] [--schedules gpipe,1f1b] [--rounds 3] [--steps 10]
 
-Same GPT (design card: 8 layers, d=256, vocab 1000, 64 tokens, batch 32), same schedule and
-micro-batches, 2 stages, one thread per rank, both launched with torchrun; runs alternate and
-each reports the median step time after warm-up. Writes benchmarks/results/overhead.json.
+Each model of ``shapes.py`` (weights large beside activations and the reverse, plain TransformerEncoderLayers,
+the design card's GPT), each schedule, m=8, 2 stages, one thread per rank, both sides launched with torchrun
+with no allocator variables set; the strategy's and the raw script's runs alternate, and each run reports
+its median step time after the warm-up and its ranks' minor page faults per step. The ratio is of the
+medians over rounds; the spread is (max - min) / median of each side's rounds. Writes
+benchmarks/results/overhead.json and prints a Markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from common import RESULTS, WARMUP, launch, machine, median_spread, step_times
+from shapes import SHAPES
 
 
-def timed_run(script: str, schedule: str, m: int, steps: int) -> list[float]:
-    return step_times(launch(script, schedule, m, steps)["ends"])
+def timed_run(script: str, shape: str, schedule: str, m: int, steps: int) -> tuple[float, float]:
+    """Median step time and the ranks' median minor page faults per step."""
+    result = launch(script, schedule, m, steps, extra=json.dumps({"shape": shape}))
+    faults = [statistics.median(b[0] - a[0] for a, b in zip(f[WARMUP:], f[WARMUP + 1 :])) for f in result["faults"]]
+    return statistics.median(step_times(result["ends"])), sum(faults)
+
+
+def spread(values: list[float]) -> float:
+    return (max(values) - min(values)) / statistics.median(values)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--schedule", default="1f1b")
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=10)
     args = parser.parse_args()
-    runs: dict[str, list[float]] = {"strategy": [], "raw": []}
-    for _ in range(args.rounds):  # alternate: the machine is noisy
-        for name, script in (("strategy", "run_strategy.py"), ("raw", "run_raw.py")):
-            runs[name].append(statistics.median(timed_run(script, args.schedule, args.m, args.steps)))
+    os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    rows = []
+    for shape in args.shapes.split(","):
+        for schedule in args.schedules.split(","):
+            times: dict[str, list[float]] = {"strategy": [], "raw": []}
+            faults: dict[str, list[float]] = {"strategy": [], "raw": []}
+            for _ in range(args.rounds):  # alternate: the machine is noisy
+                for name, script in (("strategy", "run_strategy.py"), ("raw", "run_raw.py")):
+                    step, fault = timed_run(script, shape, schedule, args.m, args.steps)
+                    times[name].append(step)
+                    faults[name].append(fault)
+            row = {
+                "shape": shape, "about": SHAPES[shape]["about"], "schedule": schedule,
+                "step_s": {name: median_spread(values) for name, values in times.items()},
+                "faults_per_step": {name: statistics.median(values) for name, values in faults.items()},
+                "ratio": statistics.median(times["strategy"]) / statistics.median(times["raw"]),
+                "spread": {name: spread(values) for name, values in times.items()},
+            }  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     result = {
         "benchmark": "overhead",
         "machine": machine(),
-        "config": {"schedule": args.schedule, "n_microbatches": args.m, "stages": 2, "threads_per_rank": 1,
-                   "measured_steps_per_run": args.steps - WARMUP - 1, "rounds": args.rounds},
-        "step_s": {name: median_spread(values) for name, values in runs.items()},
-        "ratio": statistics.median(runs["strategy"]) / statistics.median(runs["raw"]),
+        "config": {"n_microbatches": args.m, "stages": 2, "threads_per_rank": 1, "rounds": args.rounds,
+                   "measured_steps_per_run": args.steps - WARMUP - 1},
+        "runs": rows,
     }  # fmt: skip
-    path = RESULTS / "overhead.json"
-    path.write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    (RESULTS / "overhead.json").write_text(json.dumps(result, indent=1))
+    print(
+        "| model | schedule | strategy step s | raw step s | ratio | spread strategy / raw | faults/step strategy / raw |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        s, raw = r["step_s"]["strategy"]["median"], r["step_s"]["raw"]["median"]
+        print(f"| {r['shape']} | {r['schedule']} | {s:.3f} | {raw:.3f} | **{r['ratio']:.3f}** | "
+              f"{r['spread']['strategy']:.1%} / {r['spread']['raw']:.1%} | "
+              f"{r['faults_per_step']['strategy']:.0f} / {r['faults_per_step']['raw']:.0f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

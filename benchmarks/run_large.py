@@ -2,7 +2,7 @@
 write a sharded checkpoint; rank 0 writes every rank's peak memory growth (counted from before the model
 is built) and its stage's parameter bytes.
 
-    torchrun --nproc_per_node P run_large.py BUILD RESUME SAVE OUT     (BUILD: eager | meta; RESUME/SAVE: path or -)
+    torchrun --nproc_per_node P run_large.py BUILD RESUME SAVE OUT [STEPS]   (BUILD: eager | meta; RESUME/SAVE: path or -)
 """
 
 from __future__ import annotations
@@ -43,7 +43,9 @@ if __name__ == "__main__":
     build, resume, save, out = sys.argv[1:5]
     ranks = int(__import__("os").environ["WORLD_SIZE"])
     peak = Peak()
-    steps = LARGE["steps"] * (1 if resume == "-" else 2)  # a resumed run trains as many steps again
+    steps = (int(sys.argv[5]) if len(sys.argv) > 5 else LARGE["steps"]) * (
+        1 if resume == "-" else 2
+    )  # a resumed run trains as many steps again
     trainer = pipeline_trainer("1f1b", ranks, steps, [peak], state_dict_type="sharded")
     model_cfg = {k: LARGE[k] for k in ("vocab", "dim", "n_layers", "n_heads", "seq_len")}
     _page_in_kernels(model_cfg)
@@ -56,7 +58,7 @@ if __name__ == "__main__":
         model = SGDGPT(**model_cfg)
     whole = sum(p.numel() * p.element_size() for p in model.parameters())
     g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, LARGE["vocab"], (2 * LARGE["steps"] * 4 * ranks, LARGE["seq_len"] + 1), generator=g)
+    data = torch.randint(0, LARGE["vocab"], (steps * 4 * ranks, LARGE["seq_len"] + 1), generator=g)
     loader = DataLoader(list(zip(data[:, :-1], data[:, 1:])), batch_size=4 * ranks)
     trainer.fit(model, loader, ckpt_path=None if resume == "-" else resume)
     row = {"peak_growth": peak.hwm - before, "stage_param_bytes": sum(p.numel() * 4 for p in model.parameters())}

@@ -2,21 +2,24 @@
 
     run_strategy.py SCHEDULE M STEPS OUT [OPTIONS_JSON]
 
-OPTIONS_JSON may set ``balance``, ``vocab`` (a heavier head), ``activation_checkpointing``, ``monitor``
+OPTIONS_JSON may set ``shape`` (a model of ``shapes.py``, the GPT by default), ``balance``, ``vocab`` (a heavier head), ``activation_checkpointing``, ``monitor``
 (PipelineMonitor on: the measured bubble of each step is written too) and ``timeline`` (a PNG path: the Gantt
 chart of two consecutive steps before the last). Writes the wall times between consecutive
-training-batch ends on rank 0 to the JSON file OUT, and every rank's peak resident memory growth during ``fit``.
+training-batch ends on rank 0 to the JSON file OUT, every rank's minor page faults and system CPU seconds at each of them, and every rank's
+peak resident memory growth during ``fit``.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import sys
 import time
 
 import lightning as L
 import torch
 from common import MODEL, batches, pipeline_trainer, proc_kib
+from shapes import build, data
 from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineMonitor
@@ -48,10 +51,13 @@ class LastTwoSteps(L.Callback):
 class BatchEnds(L.Callback):
     def __init__(self) -> None:
         self.ends: list[float] = []
+        self.faults: list[tuple[int, float]] = []
         self.bubbles: list[float] = []
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.ends.append(time.perf_counter())
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.faults.append((usage.ru_minflt, usage.ru_stime))
         if "pipeline/bubble" in trainer.callback_metrics:
             self.bubbles.append(float(trainer.callback_metrics["pipeline/bubble"]))
 
@@ -59,9 +65,11 @@ class BatchEnds(L.Callback):
 if __name__ == "__main__":
     schedule, m, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
+    shape = options.get("shape", "gpt")
     model = {**MODEL, "vocab": options.get("vocab", MODEL["vocab"])}
     L.seed_everything(0, verbose=False)
-    loader = DataLoader(batches(steps, vocab=model["vocab"]), batch_size=None)
+    net = GPT(**model) if shape == "gpt" else build(shape)
+    loader = DataLoader(batches(steps, vocab=model["vocab"]) if shape == "gpt" else data(shape, steps), batch_size=None)
     ends = BatchEnds()
     callbacks = [PipelineMonitor(dirpath=options["monitor"]), ends] if options.get("monitor") else [ends]
     if options.get("timeline"):
@@ -72,10 +80,13 @@ if __name__ == "__main__":
     )
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here
     before = proc_kib("VmRSS:")
-    trainer.fit(GPT(**model), loader)
+    trainer.fit(net, loader)
     peaks: list = [None] * trainer.world_size
     torch.distributed.all_gather_object(peaks, (proc_kib("VmHWM:") - before) / 1024)
+    faults: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(faults, ends.faults)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             split = list(trainer.strategy.placement.counts)
-            json.dump({"ends": ends.ends, "bubbles": ends.bubbles, "layers_per_stage": split, "peak_mib": peaks}, f)
+            json.dump({"ends": ends.ends, "faults": faults, "bubbles": ends.bubbles, "layers_per_stage": split,
+                       "peak_mib": peaks}, f)  # fmt: skip

@@ -148,3 +148,45 @@ def test_the_heap_goes_back_before_a_backward_where_it_is_small_beside_the_weigh
     out = subprocess.run([sys.executable, "-c", HEAP_PROGRAM], capture_output=True, text=True, check=True)
     beside_small, beside_large = map(int, out.stdout.split())
     assert beside_small < 2 * MiB < 12 * MiB < beside_large, (beside_small, beside_large)
+
+
+SETTLE_PROGRAM = """
+import sys, time
+import lightning, torch
+from lightning_pp.memory import allocator
+
+def mapped_while_a_16_mib_tensor_lives():
+    x = torch.ones(2**22)
+    return allocator._libc.mallinfo2().hblkhd
+
+allocator.return_freed_tensors(torch.device("cpu"))
+for _ in range(3):  # the first steps; the third is measured
+    allocator.training_step_begins()
+start = time.perf_counter()
+if sys.argv[1] == "faulting":  # mapped afresh at every micro-batch, as a 16 MiB weight gradient
+    while time.perf_counter() - start < 0.5:
+        torch.ones(2**22)
+else:
+    x = torch.ones(256, 256)
+    while time.perf_counter() - start < 0.5:
+        x @ x
+print(mapped_while_a_16_mib_tensor_lives())
+allocator.training_step_begins()  # the fourth
+print(mapped_while_a_16_mib_tensor_lives(), flush=True)
+"""
+
+
+@pytest.mark.parametrize("third_step", ["faulting", "computing"])
+def test_the_heap_keeps_big_tensors_once_page_faults_cost_a_step(third_step):
+    # a third step spent in page faults (4 MiB tensors and more mapped afresh each time): from the fourth step they
+    # stay in the heap, and the rank says so; a step spent computing keeps them mapped (returned when freed)
+    out = subprocess.run([sys.executable, "-c", SETTLE_PROGRAM, third_step], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    third, fourth = map(int, out.stdout.split())
+    assert third >= 16 * MiB, out.stdout
+    if third_step == "faulting":
+        assert third - fourth >= 15 * MiB, out.stdout  # the tensor no longer among the mapped blocks
+        assert "page faults took" in out.stderr and "stay in the heap" in out.stderr, out.stderr
+    else:
+        assert abs(third - fourth) < MiB, out.stdout
+        assert "page faults took" not in out.stderr, out.stderr

@@ -19,20 +19,30 @@ peak 0.594 -> 0.584 x the model), kept where activations dominate (returning 30-
 from __future__ import annotations
 
 import ctypes
+import logging
+import mmap
 import os
 import platform
+import resource
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.fabric.utilities.rank_zero import rank_prefixed_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_pp.layout.dtensors import local_tensor
 
 MMAP_THRESHOLD = 4 * 2**20
-_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+STEADY_MMAP_THRESHOLD = 32 * 2**20  # glibc's ceiling for its adaptive threshold (64-bit)
+FAULT_SHARE = 0.03  # of a step's wall time in page faults, past which speed goes before the lean heap
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 _fixed = False
+_steps = 0  # training steps begun in this process
+_third_step: tuple[float, int] | None = None  # wall seconds and page faults when the third began
+_log = logging.getLogger("lightning.pytorch.pipeline")
 _libc: ctypes.CDLL | None = None  # set once the strategy manages glibc's allocator
 
 
@@ -61,17 +71,70 @@ def return_freed_tensors(device: torch.device) -> None:
 
 
 def trim_before_backward(pipeline_stage: Any) -> None:
-    """Where the strategy manages glibc's allocator: before each backward pass of ``pipeline_stage`` (full, or
-    either half of a split backward), the heap's free pages go back to the OS when they are few beside the
-    stage's weights (a model larger than a device, where the gradients about to be allocated make the peak).
-    Where activations dominate the heap, returning it would cost a page fault per page at the next forward
-    (1.04-1.09x the step time of ``benchmarks/overhead.py``) for no lower peak: it stays."""
+    """Where the strategy manages glibc's allocator, until the first training step is done: before each backward
+    pass of ``pipeline_stage`` (full, or either half of a split backward), the heap's free pages go back to the OS
+    when they are few beside the stage's weights (a model larger than a device, where the gradients about to be
+    allocated make the peak). Where activations dominate the heap, returning it would cost a page fault per page
+    at the next forward for no lower peak: it stays."""
     libc = _libc
     if libc is None or not hasattr(libc, "mallinfo2"):  # glibc < 2.33
         return
     weights = sum(local_tensor(p).numel() * p.element_size() for p in pipeline_stage.submod.parameters())
     for name in ("backward_one_chunk", "backward_weight_one_chunk"):
         setattr(pipeline_stage, name, _after_trim(libc, weights // 4, getattr(pipeline_stage, name)))
+
+
+def training_step_begins() -> None:
+    """Settle the allocator once the peak is behind: set-up and the first step (the gradients' first allocation)
+    make it; each later step repeats the last one's allocations.
+
+    From the second step: no more trims before a backward (a page returned is faulted in again at the next
+    step), the heap's top kept up to 64 MiB when freed (glibc's own ceiling; trimmed at every free, a step's
+    activations came back as page faults), what the first step left free returned once. From the fourth: if
+    page faults took more than ``FAULT_SHARE`` of this rank's third step (its minor faults times what one costs
+    here: tensors of 4 MiB and more mapped afresh at every micro-batch; a 16 MiB weight gradient per micro-batch
+    made ``benchmarks/overhead.py``'s ``wide_mlp`` 1.5x raw torch's step), tensors below 32 MiB go to the heap
+    as glibc would put them, trading some peak memory (the heap's fragments) for that time; the rank says so."""
+    global _steps, _third_step
+    _steps += 1
+    if _libc is None:
+        return
+    if _steps == 2:
+        _libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)
+        _libc.malloc_trim(0)
+    elif _steps == 3:
+        _third_step = _clock()
+    elif _steps == 4 and _third_step is not None:
+        wall, faults = (now - then for now, then in zip(_clock(), _third_step))
+        share = faults * _fault_s() / wall
+        if share > FAULT_SHARE:
+            _libc.mallopt(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
+            _log.info(
+                rank_prefixed_message(
+                    f"PipelineStrategy: page faults took {share:.0%} of the third training step; tensors"
+                    f" below {STEADY_MMAP_THRESHOLD // 2**20} MiB stay in the heap from now on (faster; the peak"
+                    f" memory may grow by the heap's fragmentation)",
+                    _rank(),
+                )
+            )
+
+
+def _clock() -> tuple[float, int]:
+    return time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def _fault_s() -> float:
+    """Seconds a page fault costs here, with the first write to its page: a fresh 4 MiB block written once."""
+    block = mmap.mmap(-1, MMAP_THRESHOLD)
+    start, before = _clock()
+    torch.frombuffer(block, dtype=torch.uint8).fill_(1)
+    end, after = _clock()
+    block.close()
+    return (end - start) / max(after - before, 1)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 class _MallInfo2(ctypes.Structure):
@@ -81,7 +144,7 @@ class _MallInfo2(ctypes.Structure):
 
 def _after_trim(libc: ctypes.CDLL, most: int, method: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        if 2**20 <= libc.mallinfo2().fordblks <= most:  # free bytes in the main heap (0.1 ms)
+        if _steps < 2 and 2**20 <= libc.mallinfo2().fordblks <= most:  # free bytes in the main heap (0.1 ms)
             libc.malloc_trim(0)
         return method(*args, **kwargs)
 

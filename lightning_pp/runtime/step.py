@@ -25,7 +25,7 @@ from lightning_pp.compat import buffers_kept_through_metadata_inference
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
 from lightning_pp.lifecycle.failure import failures_shared
-from lightning_pp.memory.allocator import trim_before_backward
+from lightning_pp.memory.allocator import training_step_begins, trim_before_backward
 from lightning_pp.runtime.metrics import MetricTap
 from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
 from lightning_pp.runtime.telemetry import Event, StepRecorder
@@ -138,6 +138,8 @@ class PipelineRunner:
         m = n_microbatches
         self._loss_scales = list(loss_scale) if isinstance(loss_scale, list) else [loss_scale] * m
         self._weights = weights
+        if train:
+            training_step_begins()
         with running_stages():
             return self._run(hook, args, kwargs, n_microbatches, train, record)
 
