@@ -69,7 +69,8 @@ def main() -> None:
     }  # fmt: skip
     (RESULTS / "overhead.json").write_text(json.dumps(result, indent=1))
     print(
-        "| model | schedule | strategy step s | raw step s | ratio | spread strategy / raw | faults/step strategy / raw |"
+        "| model | schedule | strategy step s | raw step s | ratio | spread strategy / raw | faults/step strategy / raw"
+        " |"
     )
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
