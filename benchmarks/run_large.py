@@ -2,7 +2,9 @@
 write a sharded checkpoint; rank 0 writes every rank's peak memory growth (counted from before the model
 is built) and its stage's parameter bytes.
 
-    torchrun --nproc_per_node P run_large.py BUILD RESUME SAVE OUT [STEPS] (BUILD: eager or meta; RESUME, SAVE: path or -)
+    torchrun --nproc_per_node P run_large.py BUILD RESUME SAVE OUT [STEPS]
+
+BUILD: eager or meta; RESUME, SAVE: a path or -.
 """
 
 from __future__ import annotations
