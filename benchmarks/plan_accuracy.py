@@ -8,7 +8,7 @@ fit, samples/s after the warm-up), in a different order each round, and compares
 correlation of predicted and measured samples/s, how far the planner's first choice is from the best
 measured, the median step-time error; and the same for the bubble bound (step = a (1 + (p - 1) / (v m)) + b, 4/3
 of it with recomputation), the formula a user would reach for, fitted to every measured run. Writes
-benchmarks/results/plan_accuracy.json.
+benchmarks/results/plan_accuracy.json (``plan_accuracy_<model>.json`` for another model).
 """
 
 from __future__ import annotations
@@ -123,7 +123,8 @@ def main() -> None:
         "planner": scores(predicted_step, measured_step),
         "bubble_bound_fitted_to_every_run": scores(bound, measured_step),
     }
-    path = HERE / "results" / "plan_accuracy.json"
+    name = "plan_accuracy.json" if args.model == "gpt_small" else f"plan_accuracy_{args.model}.json"
+    path = HERE / "results" / name
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: result[k] for k in ("planner", "bubble_bound_fitted_to_every_run")}, indent=1))
 

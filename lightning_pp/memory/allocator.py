@@ -9,11 +9,11 @@ meta): 0.72-0.77 x the whole model per rank by default, 0.59 with the threshold 
 A lower threshold returns activations as well, but pays a page fault per activation on every
 step (1.5x the step time of ``benchmarks/overhead.py`` at 256 KiB, 1.12x at 512 KiB).
 
-Smaller tensors (activations, their gradients) stay in the heap, where a step's forwards leave
+Smaller tensors (activations, their gradients) stay in the heap, where the first step's forwards leave
 5-10 MiB of free chunks on a rank of that model just when its backward allocates the weight
 gradients: returned before each backward where they are few beside the stage's weights (4-stage
-peak 0.594 -> 0.584 x the model), kept where activations dominate (returning 30-70 MiB per step costs
-``overhead.py`` 1.04-1.09x in page faults).
+peak 0.594 -> 0.584 x the model), kept where activations dominate. Where all that costs a rank more than 3%
+of a step, it is given up: see ``training_step_begins``.
 """
 
 from __future__ import annotations
@@ -42,6 +42,8 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
 _fixed = False
 _steps = 0  # training steps begun in this process
 _third_step: tuple[float, int] | None = None  # wall seconds and page faults when the third began
+_trim_s = 0.0  # seconds in malloc_trim since the third step began
+_trimming = True  # before each backward, where the heap's free pages are few beside the stage's weights
 _log = logging.getLogger("lightning.pytorch.pipeline")
 _libc: ctypes.CDLL | None = None  # set once the strategy manages glibc's allocator
 
@@ -65,17 +67,17 @@ def return_freed_tensors(device: torch.device) -> None:
     if _libc is not None:
         rank_zero_info(
             f"PipelineStrategy: tensors of {MMAP_THRESHOLD // 2**20} MiB and more go back to the OS when freed, and"
-            " the heap's free pages before each backward (glibc's mmap threshold fixed; set MALLOC_MMAP_THRESHOLD_"
-            " to leave glibc's allocator as it is)."
+            " the heap's free pages before each backward, while that costs a rank under 3% of a step (glibc's mmap"
+            " threshold fixed; set MALLOC_MMAP_THRESHOLD_ to leave glibc's allocator as it is)."
         )
 
 
 def trim_before_backward(pipeline_stage: Any) -> None:
-    """Where the strategy manages glibc's allocator, until the first training step is done: before each backward
-    pass of ``pipeline_stage`` (full, or either half of a split backward), the heap's free pages go back to the OS
-    when they are few beside the stage's weights (a model larger than a device, where the gradients about to be
-    allocated make the peak). Where activations dominate the heap, returning it would cost a page fault per page
-    at the next forward for no lower peak: it stays."""
+    """Where the strategy manages glibc's allocator (and ``training_step_begins`` has not given that up): before
+    each backward pass of ``pipeline_stage`` (full, or either half of a split backward), the heap's free pages go
+    back to the OS when they are few beside the stage's weights (a model larger than a device, where the
+    gradients about to be allocated make the peak). Where activations dominate the heap, returning it would cost
+    a page fault per page at the next forward for no lower peak: it stays."""
     libc = _libc
     if libc is None or not hasattr(libc, "mallinfo2"):  # glibc < 2.33
         return
@@ -85,35 +87,35 @@ def trim_before_backward(pipeline_stage: Any) -> None:
 
 
 def training_step_begins() -> None:
-    """Settle the allocator once the peak is behind: set-up and the first step (the gradients' first allocation)
-    make it; each later step repeats the last one's allocations.
+    """Keep the lean heap while it costs less than ``FAULT_SHARE`` of a step; past that, glibc's own ways.
 
-    From the second step: no more trims before a backward (a page returned is faulted in again at the next
-    step), the heap's top kept up to 64 MiB when freed (glibc's own ceiling; trimmed at every free, a step's
-    activations came back as page faults), what the first step left free returned once. From the fourth: if
-    page faults took more than ``FAULT_SHARE`` of this rank's third step (its minor faults times what one costs
-    here: tensors of 4 MiB and more mapped afresh at every micro-batch; a 16 MiB weight gradient per micro-batch
-    made ``benchmarks/overhead.py``'s ``wide_mlp`` 1.5x raw torch's step), tensors below 32 MiB go to the heap
-    as glibc would put them, trading some peak memory (the heap's fragments) for that time; the rank says so."""
-    global _steps, _third_step
+    The lean heap costs time twice: the trims before a backward (the call walks the heap's free chunks; the
+    pages it returns are faulted in again at the next step), and tensors of 4 MiB and more mapped afresh at
+    every micro-batch (autograd computes each micro-batch's weight gradient into a new layer-sized tensor
+    before adding it into ``.grad``). Both are measured over this rank's third step (its minor faults times
+    what one costs here, and the trims' own time); where they took more, from the fourth step on there are no
+    trims, tensors below 32 MiB go to the heap and its top is kept up to 64 MiB when freed, as glibc would
+    settle by itself, trading some peak memory (the heap's fragments) for that time, and the rank says so.
+    Measured: ``benchmarks/overhead.py``'s ``wide_mlp`` (16 MiB weights, 2 samples per micro-batch) took 1.47x
+    raw torch's step lean, 1.00 settled."""
+    global _steps, _third_step, _trim_s, _trimming
     _steps += 1
     if _libc is None:
         return
-    if _steps == 2:
-        _libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)
-        _libc.malloc_trim(0)
-    elif _steps == 3:
-        _third_step = _clock()
+    if _steps == 3:
+        _third_step, _trim_s = _clock(), 0.0
     elif _steps == 4 and _third_step is not None:
         wall, faults = (now - then for now, then in zip(_clock(), _third_step))
-        share = faults * _fault_s() / wall
+        share = (faults * _fault_s() + _trim_s) / wall
         if share > FAULT_SHARE:
+            _trimming = False
             _libc.mallopt(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
+            _libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)
             _log.info(
                 rank_prefixed_message(
-                    f"PipelineStrategy: page faults took {share:.0%} of the third training step; tensors"
-                    f" below {STEADY_MMAP_THRESHOLD // 2**20} MiB stay in the heap from now on (faster; the peak"
-                    f" memory may grow by the heap's fragmentation)",
+                    f"PipelineStrategy: page faults and heap trims took {share:.0%} of the third training step;"
+                    f" from now on tensors below {STEADY_MMAP_THRESHOLD // 2**20} MiB stay in the heap, untrimmed"
+                    " (faster; the peak memory may grow by the heap's fragments)",
                     _rank(),
                 )
             )
@@ -144,8 +146,11 @@ class _MallInfo2(ctypes.Structure):
 
 def _after_trim(libc: ctypes.CDLL, most: int, method: Callable[..., Any]) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _steps < 2 and 2**20 <= libc.mallinfo2().fordblks <= most:  # free bytes in the main heap (0.1 ms)
+        global _trim_s
+        if _trimming and 2**20 <= libc.mallinfo2().fordblks <= most:  # free bytes in the main heap (0.1 ms)
+            start = time.perf_counter()
             libc.malloc_trim(0)
+            _trim_s += time.perf_counter() - start
         return method(*args, **kwargs)
 
     return run
