@@ -97,7 +97,7 @@ def training_step_begins() -> None:
     trims, tensors below 32 MiB go to the heap and its top is kept up to 64 MiB when freed, as glibc would
     settle by itself, trading some peak memory (the heap's fragments) for that time, and the rank says so.
     Measured: ``benchmarks/overhead.py``'s ``wide_mlp`` (16 MiB weights, 2 samples per micro-batch) took 1.47x
-    raw torch's step lean, 1.00 settled."""
+    raw torch's step lean, 0.94-1.06 settled (three runs)."""
     global _steps, _third_step, _trim_s, _trimming
     _steps += 1
     if _libc is None:
