@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,12 @@ def launch(script: str, *args: Any, extra: str | None = None, ranks: int | None 
 def proc_kib(key: str) -> int:
     """A ``/proc/self/status`` field in KiB (``VmRSS:``, ``VmHWM:``)."""
     return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
+
+
+def usage() -> tuple[int, float]:
+    """This process's minor page faults and system CPU seconds so far (``getrusage``)."""
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    return now.ru_minflt, now.ru_stime
 
 
 def step_times(ends: list[float]) -> list[float]:

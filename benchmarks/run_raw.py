@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import resource
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-from common import ACCELERATOR
+from common import ACCELERATOR, usage
 from shapes import build, data, loss_of, stage_of
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
@@ -49,8 +48,7 @@ if __name__ == "__main__":
         if cuda:
             torch.cuda.synchronize(device)  # the step's kernels done, not only launched
         ends.append(time.perf_counter())
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        faults.append((usage.ru_minflt, usage.ru_stime))
+        faults.append(usage())
     every: list = [None] * world
     dist.all_gather_object(every, faults)
     if rank == 0:

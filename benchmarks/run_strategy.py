@@ -12,13 +12,12 @@ CPU seconds at each of them, and every rank's peak resident memory growth during
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 
 import lightning as L
 import torch
-from common import MODEL, batches, pipeline_trainer, proc_kib
+from common import MODEL, batches, pipeline_trainer, proc_kib, usage
 from shapes import build, data
 from torch.utils.data import DataLoader
 
@@ -56,8 +55,7 @@ class BatchEnds(L.Callback):
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.ends.append(time.perf_counter())
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        self.faults.append((usage.ru_minflt, usage.ru_stime))
+        self.faults.append(usage())
         if "pipeline/bubble" in trainer.callback_metrics:
             self.bubbles.append(float(trainer.callback_metrics["pipeline/bubble"]))
 

@@ -14,7 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from common import BATCH, MODEL
+from common import BATCH, MODEL, batches
 from torch import nn
 
 from lightning_pp.examples.gpt import GPT
@@ -76,8 +76,6 @@ def loss_of(model: L.LightningModule, out: torch.Tensor, target: torch.Tensor) -
 
 
 def data(shape: str, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    from common import batches
-
     if shape == "gpt":
         return batches(n)
     g = torch.Generator().manual_seed(0)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 
 from lightning_pp.layout.dtensors import local_tensor
 
@@ -116,7 +116,7 @@ def training_step_begins() -> None:
                     f"PipelineStrategy: page faults and heap trims took {share:.0%} of the third training step;"
                     f" from now on tensors below {STEADY_MMAP_THRESHOLD // 2**20} MiB stay in the heap, untrimmed"
                     " (faster; the peak memory may grow by the heap's fragments)",
-                    _rank(),
+                    rank_zero_only.rank,
                 )
             )
 
@@ -133,10 +133,6 @@ def _fault_s() -> float:
     end, after = _clock()
     block.close()
     return (end - start) / max(after - before, 1)
-
-
-def _rank() -> int:
-    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 class _MallInfo2(ctypes.Structure):
