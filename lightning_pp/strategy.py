@@ -114,6 +114,8 @@ class PipelineStrategy(ParallelStrategy):
         timeout: Optional[Union[timedelta, float]] = None,
         process_group_backend: Optional[str] = None,
         async_save: bool = False,
+        init_adapter: Optional[Union[str, PathLike]] = None,
+        save_frozen: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -121,6 +123,7 @@ class PipelineStrategy(ParallelStrategy):
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
             microbatch_weight, init_fn, init_weights, init_weights_keys, timeout, process_group_backend, async_save,
+            init_adapter, save_frozen,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend

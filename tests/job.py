@@ -30,11 +30,13 @@ from models import (  # noqa: E402
     HFGPT2,
     BatchNormGPT,
     DelegatingGPT,
+    FrozenGPT,
     HFGPT2Cache,
     HFGPT2Logits,
     HFGPT2Twice,
     HFLlama,
     InitGPT,
+    LoraLlama,
     ItemGPT,
     ListGPT,
     NoSkipGPT,
@@ -75,6 +77,8 @@ MODELS = {
     "gpt2_cache": HFGPT2Cache,
     "llama": HFLlama,
     "batchnorm": BatchNormGPT,
+    "frozen": FrozenGPT,
+    "lora_llama": LoraLlama,
 }
 
 

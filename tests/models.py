@@ -478,6 +478,34 @@ class SelfShardedGPT(TinyGPT):
                 fully_shard(block, mesh=self.device_mesh["data_parallel"])
 
 
+class FrozenGPT(TinyGPT):
+    """TinyGPT fine-tuned with its leading parts frozen (embedding, position table, the first half of the blocks):
+    with 2 or 4 stages the first stages have nothing to train and the first trainable stage receives an input
+    that carries no gradient."""
+
+    def make_net(self) -> Net:
+        net = super().make_net()
+        frozen = [net.embed, *list(net.blocks.values())[: self.hparams.n_layers // 2]]
+        net.pos.requires_grad_(False)
+        for module in frozen:
+            module.requires_grad_(False)
+        return net
+
+
+class LoraLlama(HFLlama):
+    """``HFLlama`` wrapped by ``peft.get_peft_model`` inside the module: LoRA on ``q_proj``/``v_proj`` of the later
+    half of the layers only, the rest of the model frozen (layers at ``model.base_model.model.model.layers``)."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        super().__init__(n_layers, lr, optimizer)
+        from peft import LoraConfig, get_peft_model
+
+        later = list(range(n_layers // 2, n_layers))
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                            layers_to_transform=later)  # fmt: skip
+        self.model = get_peft_model(self.model, config)
+
+
 def renamed_key(name: str) -> str:
     """``init_weights_keys`` for TinyGPT reading a checkpoint whose names differ (``backbone.``, ``ln_f.``)."""
     if name.startswith("net."):

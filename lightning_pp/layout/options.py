@@ -63,6 +63,8 @@ class PipelineOptions:
     timeout: Optional[Union[timedelta, float]] = None
     process_group_backend: Optional[str] = None
     async_save: bool = False
+    init_adapter: Optional[Union[str, os.PathLike]] = None
+    save_frozen: bool = False
 
     def __post_init__(self) -> None:
         schedule = normalize_schedule(self.schedule)
