@@ -1,0 +1,92 @@
+"""Where peft put adapters inside a LightningModule, and the names its tensors have in and out of it.
+
+A LightningModule holds a peft model at an attribute (``self.model = get_peft_model(hf, config)``) or had
+adapters injected into a module of its own (``inject_adapter_in_model``). Either way the frozen base keeps
+its tensors under new names (``...q_proj.base_layer.weight``) and each adapter adds tensors named after it
+(``...q_proj.lora_A.default.weight``). Three other namings meet these: the base model's own (what a
+pretrained checkpoint and a merged export hold), and peft's adapter file (``adapter_model.safetensors``:
+names under ``base_model.model.``, without the adapter's name). Every conversion between them is here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from torch import nn
+
+PEFT_FILE_PREFIX = "base_model.model."  # what peft's adapter files put ahead of the base model's names
+_BASE_LAYER = ".base_layer"
+
+
+@dataclass(frozen=True)
+class AdapterSite:
+    """One peft model (or model with injected adapters) inside the LightningModule."""
+
+    prefix: str  # qualified name of the base model inside the LightningModule, with a trailing dot ("" at the root)
+    configs: dict[str, Any]  # adapter name -> its peft config object
+    holder: str  # qualified name of the module holding ``peft_config`` (the PeftModel or the injected model)
+
+    def base_key(self, name: str) -> Optional[str]:
+        """``name`` (a tensor of the LightningModule) as the base model names it; None for adapter tensors and
+        tensors outside this site."""
+        if not name.startswith(self.prefix) or self.adapter_of(name) is not None:
+            return None
+        return name[len(self.prefix) :].replace(_BASE_LAYER + ".", ".")
+
+    def adapter_of(self, name: str) -> Optional[str]:
+        """The adapter a tensor belongs to (``"default"``), None for base tensors."""
+        if not name.startswith(self.prefix):
+            return None
+        parts = name[len(self.prefix) :].split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part.startswith("lora_") and parts[i + 1] in self.configs:
+                return parts[i + 1]
+        return None
+
+    def peft_key(self, name: str) -> Optional[str]:
+        """``name`` as peft's adapter file names it (``base_model.model.<base names>``, the adapter's name out)."""
+        adapter = self.adapter_of(name)
+        if adapter is None:
+            return None
+        return PEFT_FILE_PREFIX + name[len(self.prefix) :].replace(f".{adapter}.", ".", 1)
+
+    def module_name(self, peft_key: str, adapter: str = "default") -> str:
+        """A key of peft's adapter file as this LightningModule names the tensor (the inverse of ``peft_key``)."""
+        rest = peft_key[len(PEFT_FILE_PREFIX) :] if peft_key.startswith(PEFT_FILE_PREFIX) else peft_key
+        parts = rest.split(".")
+        for i, part in enumerate(parts):
+            if part.startswith("lora_"):
+                parts.insert(i + 1, adapter)
+                break
+        return self.prefix + ".".join(parts)
+
+
+def adapter_sites(module: nn.Module) -> list[AdapterSite]:
+    """Every peft model and every module with injected adapters inside ``module`` (outermost first)."""
+    sites: list[AdapterSite] = []
+    for name, m in _named_modules(module):
+        configs = getattr(m, "peft_config", None)
+        if not isinstance(configs, dict) or not configs or any(s.holder and name.startswith(s.holder) for s in sites):
+            continue
+        holder = f"{name}." if name else ""
+        base = getattr(getattr(m, "base_model", None), "model", None)
+        if base is not None and type(m).__name__.startswith("Peft"):  # PeftModel -> LoraModel -> the base model
+            sites.append(AdapterSite(f"{holder}base_model.model.", dict(configs), holder))
+        else:
+            sites.append(AdapterSite(holder, dict(configs), holder))
+    return sites
+
+
+def site_of(sites: list[AdapterSite], name: str) -> Optional[AdapterSite]:
+    """The site a tensor name lies in (the innermost prefix that holds it)."""
+    inside = [s for s in sites if name.startswith(s.prefix)]
+    return max(inside, key=lambda s: len(s.prefix)) if inside else None
+
+
+def _named_modules(module: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """Named modules, skipping ``None`` children (a pruned stage)."""
+    for name, m in module.named_modules():
+        if m is not None:
+            yield name, m
