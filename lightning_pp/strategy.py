@@ -405,7 +405,7 @@ class PipelineStrategy(ParallelStrategy):
             self.root_device,
             self._groups.pp,
             self.options.schedule,
-            model_entries(local, self.options.layers),
+            model_entries(local, self._placement.layers_path),
             self._groups.dp,
             label=layout.pp_rank,
             shared=shared,

@@ -36,9 +36,10 @@ from models import (  # noqa: E402
     HFGPT2Twice,
     HFLlama,
     InitGPT,
-    LoraLlama,
     ItemGPT,
     ListGPT,
+    LoraGPT,
+    LoraLlama,
     NoSkipGPT,
     SelfShardedGPT,
     SequentialGPT,
@@ -79,6 +80,7 @@ MODELS = {
     "batchnorm": BatchNormGPT,
     "frozen": FrozenGPT,
     "lora_llama": LoraLlama,
+    "lora_gpt": LoraGPT,
 }
 
 

@@ -506,6 +506,19 @@ class LoraLlama(HFLlama):
         self.model = get_peft_model(self.model, config)
 
 
+class LoraGPT(TinyGPT):
+    """TinyGPT (seed convention, layers at ``net.blocks``) with LoRA injected into every block's two Linears by
+    ``peft.inject_adapter_in_model`` (no wrapper: the names stay the module's own); only the adapters train."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        from peft import LoraConfig, inject_adapter_in_model
+
+        inject_adapter_in_model(LoraConfig(r=4, lora_alpha=8, target_modules=["ff.0", "ff.2"]), self.net)
+        for name, p in self.named_parameters():
+            p.requires_grad_(".lora_" in name)
+
+
 def renamed_key(name: str) -> str:
     """``init_weights_keys`` for TinyGPT reading a checkpoint whose names differ (``backbone.``, ``ln_f.``)."""
     if name.startswith("net."):

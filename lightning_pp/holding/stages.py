@@ -73,12 +73,12 @@ class Holding:
         if fitting and not self.pruned:
             self.state_keys = list(module.state_dict().keys())
             prune_to_stages(module, placement, stages)
-            guard_forwards(module, placement, stages, model_entries(module, self.options.layers).values())
+            guard_forwards(module, placement, stages, model_entries(module, placement.layers_path).values())
             local_ids = {id(p) for p in module.parameters()}
             self.optimizer_layouts = [keep_local_parameters(o, local_ids, names) for o in optimizers]
             self.pruned = True
             if self.options.activation_checkpointing:
-                checkpoint_layers(find_layers(module, self.options.layers), once=self.options.split_backward)
+                checkpoint_layers(find_layers(module, placement.layers_path), once=self.options.split_backward)
         local = module if self.pruned else stage_view(module, placement, stages)
         if self._made is None or not self.pruned:
             views = {s: stage_view(local, placement, [s]) for s in stages}

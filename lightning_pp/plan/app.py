@@ -39,7 +39,7 @@ from lightning_pp.plan.planner import Config, ModelCosts, Prediction, plan, pred
 from lightning_pp.split.microbatch import batch_size_of, split_batch
 from lightning_pp.split.partition import uniform_split
 from lightning_pp.split.profiling import Segments, measure_segments
-from lightning_pp.split.stage import find_layers, patched
+from lightning_pp.split.stage import find_layers, patched, resolve_layers
 from lightning_pp.train.app import check_config
 
 log = logging.getLogger(__name__)
@@ -57,7 +57,7 @@ _CHOSEN += ("activation_checkpointing",)
 def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int]) -> ModelCosts:
     """Costs of ``module``'s own training step on micro-batches of ``sizes`` samples cut from ``batch``, and of its
     optimizer: one process, the module as it is (on the CPU here); its weights and gradients are left as they were."""
-    blocks = find_layers(module, layers)
+    blocks = find_layers(module, resolve_layers(module, layers))
     full = batch_size_of(batch)
     measured = []
     with patched(module, log=lambda *_, **__: None):

@@ -27,7 +27,15 @@ from lightning_pp.memory.materialize import has_meta_tensors, on_meta
 from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
-from lightning_pp.split.stage import Placement, find_layers, model_entries, plan_placement, trace_forward
+from lightning_pp.split.stage import (
+    Placement,
+    find_layers,
+    model_entries,
+    plan_placement,
+    resolution_note,
+    resolve_layers,
+    trace_forward,
+)
 from lightning_pp.split.traced import Tracer, traced_placement
 
 
@@ -42,8 +50,11 @@ def learn_placement(
     device: torch.device,
 ) -> tuple[Placement, Tracer | None]:
     """Where each layer and part lives, the same on every rank; logged on rank 0. Under ``split="trace"`` also
-    the tracer that makes each batch signature's pieces."""
-    layers, balance = options.layers, options.balance
+    the tracer that makes each batch signature's pieces. The placement holds the layers' qualified path (see
+    ``resolve_layers``): every later user of the path reads it there."""
+    layers, balance = resolve_layers(module, options.layers), options.balance
+    if layers != options.layers:
+        rank_zero_info(resolution_note(module, options.layers, layers))
     first = split_batch(args[0], n_microbatches)[0]
     entries = model_entries(module, layers)
     call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
@@ -98,7 +109,7 @@ def _learn_by_pruning(
 
 def check_module(module: LightningModule, layers: str, balance: Balance, n_stages: int) -> None:
     """What the module's structure allows, checked on every rank before any collective."""
-    n_layers = len(find_layers(module, layers))
+    n_layers = len(find_layers(module, resolve_layers(module, layers)))
     resolve_balance("uniform" if isinstance(balance, str) else balance, n_layers, n_stages)
 
 

@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,73 @@ def find_layers(module: nn.Module, path: str) -> Layers:
         f"layers={path!r} is a {type(obj).__name__}, not an nn.ModuleList, nn.Sequential or nn.ModuleDict of the"
         " repeated layers; pass the path of the container whose entries forward runs one after another."
     )
+
+
+def resolve_layers(module: nn.Module, path: str) -> str:
+    """``path`` as the module's own qualified name of its layer container: a wrapper such as peft's puts steps
+    into the names (``model.base_model.model.model.layers`` for ``self.model = get_peft_model(llama, config)``)
+    that a user need not spell. Every name built from the path (parts, stages, state-dict keys) must be the
+    qualified one, so the path is resolved once and only the result is used.
+
+    The path itself, if it is a qualified name; else the one container whose name has the path's parts in order
+    with only wrapper steps (steps out of a peft model or tuner) left out, or that the path reaches as
+    attributes (peft forwards them); none or several: a PipelineConfigError naming them.
+    """
+    modules = {name: m for name, m in module.named_modules() if m is not None}
+    if path in modules:
+        return path
+    try:
+        reached = get_path(module, path)
+    except AttributeError:
+        reached = None
+    found = [
+        n
+        for n, m in modules.items()
+        if isinstance(m, _CONTAINERS) and (m is reached or _through_wrappers(n, path, modules))
+    ]
+    if len(found) > 1:
+        raise PipelineConfigError(
+            f"layers={path!r} matches several layer containers through wrappers: {found}. Pass one of these"
+            " qualified names as layers=."
+        )
+    if not found:
+        find_layers(module, path)  # raises, naming the containers there are
+        return path
+    return found[0]
+
+
+def resolution_note(module: nn.Module, given: str, resolved: str) -> str:
+    """What ``resolve_layers`` made of a path that was not the qualified name, to be said once."""
+    modules = dict(module.named_modules())
+    steps = resolved.split(".")
+    inside = any(_is_wrapper(modules[".".join(steps[:i])]) for i in range(len(steps)))
+    return f"layers={given!r} resolved to {resolved!r}" + (" (inside a peft model)" if inside else "")
+
+
+def _through_wrappers(name: str, path: str, modules: dict[str, nn.Module]) -> bool:
+    """Whether ``path``'s parts are ``name``'s in order, with only steps out of a wrapper between them."""
+    steps = name.split(".")
+    wrapper = [_is_wrapper(modules[".".join(steps[:i])]) for i in range(len(steps))]
+    wanted = path.split(".")
+
+    @functools.cache
+    def match(i: int, j: int) -> bool:
+        if i == len(steps):
+            return j == len(wanted)
+        return (j < len(wanted) and steps[i] == wanted[j] and match(i + 1, j + 1)) or (wrapper[i] and match(i + 1, j))
+
+    return match(0, 0)
+
+
+def _is_wrapper(module: nn.Module) -> bool:
+    """A peft model or tuner: it holds the model it adapts one step down and forwards attributes to it. peft is
+    not imported here: a module that holds one has imported it."""
+    peft = sys.modules.get("peft")
+    if peft is None:
+        return False
+    from peft.tuners.tuners_utils import BaseTuner
+
+    return isinstance(module, (peft.PeftModel, BaseTuner))
 
 
 @dataclass(frozen=True)
