@@ -26,6 +26,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
 from lightning_pp.lifecycle.failure import failures_shared
 from lightning_pp.memory.allocator import training_step_begins, trim_before_backward
+from lightning_pp.runtime.split_backward import exact_split_backward
 from lightning_pp.runtime.metrics import MetricTap
 from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
 from lightning_pp.runtime.telemetry import Event, StepRecorder
@@ -202,11 +203,11 @@ class PipelineRunner:
         if key not in self._schedules:
             wrappers = self._make_stages(train, call)
             stages = [
-                buffers_kept_through_metadata_inference(
+                exact_split_backward(buffers_kept_through_metadata_inference(
                     PipelineStage(self._replicated(w), index, self.n_stages, self.device, group=self.group)
-                )
+                ))
                 for w, index in zip(wrappers, self.stage_indices)
-            ]
+            ]  # fmt: skip
             schedule = self._build(stages, n_microbatches, train)
             for chunk, stage in enumerate(stages):
                 trim_before_backward(stage)
