@@ -26,9 +26,9 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
 from lightning_pp.lifecycle.failure import failures_shared
 from lightning_pp.memory.allocator import training_step_begins, trim_before_backward
-from lightning_pp.runtime.split_backward import exact_split_backward
 from lightning_pp.runtime.metrics import MetricTap
 from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
+from lightning_pp.runtime.split_backward import exact_split_backward
 from lightning_pp.runtime.telemetry import Event, StepRecorder
 from lightning_pp.split.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
 from lightning_pp.split.profiling import sum_of_outputs
