@@ -28,8 +28,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_pp.checkpoints.asynchronous import ShardedSaves
-from lightning_pp.checkpoints.export import EXPORT_KEY
-from lightning_pp.checkpoints.formats import gather_model_state, is_complete
+from lightning_pp.checkpoints.formats import is_complete
 from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.checkpoints.resume import resume_exactly
 from lightning_pp.checkpoints.swap import fault_point, swapped_in
@@ -492,10 +491,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         check_materialized(self.lightning_module)
-        if not self._holding.pruned or self.options.state_dict_type == "sharded":
-            return super().lightning_module_state_dict()
-        writer = self.layout.writes_full_checkpoint
-        return gather_model_state(self.lightning_module, self._holding.state_keys, self._groups.pp, writer)
+        writer, module = self.layout.writes_full_checkpoint, self.lightning_module
+        return self._holding.model_state(module, self.optimizers, writer, self._groups.pp)
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
@@ -508,7 +505,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Either format, from any layout, without reading its tensors: each rank reads its own at the first batch."""
-        checkpoint, self._pending = open_checkpoint(Path(checkpoint_path), weights_only)
+        checkpoint, self._pending = open_checkpoint(Path(checkpoint_path), weights_only, self.options.init_weights)
         resume_exactly(getattr(self.lightning_module, "_trainer", None), checkpoint)  # a fit: where it left off
         return checkpoint
 
@@ -518,7 +515,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self._pending is not None
         local = self.lightning_module.state_dict()
         expected = {k: local.get(k) for k in self._holding.state_keys} if self._holding.pruned else local
-        check_state_keys(expected, checkpoint["state_dict"], strict, self._pending.path)
+        check_state_keys(expected, checkpoint["state_dict"], strict, self._pending)
         self._pending.model, self._pending.strict = checkpoint["state_dict"], strict
 
     @override
@@ -531,7 +528,8 @@ class PipelineStrategy(ParallelStrategy):
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
         ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete
         checkpoint. Sharded saves may run in the background (``checkpoints.asynchronous``)."""
-        rank, checkpoint[EXPORT_KEY] = self.global_rank, self._holding.export_names(self.lightning_module)
+        rank = self.global_rank
+        checkpoint.update(self._holding.checkpoint_entries(self.lightning_module, self._groups.pp))
         if self.options.state_dict_type == "sharded":  # every rank holds its own piece, or one shard per stage
             every = has_dtensors(self.lightning_module)
             writers, group = (None, None) if every else (self.layout.pipeline_ranks(0), self._groups.pp)

@@ -50,6 +50,7 @@ from models import (  # noqa: E402
     TwiceGPT,
     WrappedGPT,
     loader,
+    peft_base_key,
     renamed_key,
 )
 
@@ -57,7 +58,7 @@ import lightning_pp  # noqa: E402,F401
 from lightning_pp.layout.dtensors import local_tensor  # noqa: E402
 from lightning_pp.runtime.weighting import label_tokens  # noqa: E402
 
-KEYS = {"renamed": renamed_key}  # init_weights_keys by name
+KEYS = {"renamed": renamed_key, "peft": peft_base_key}  # init_weights_keys by name
 MODELS = {
     "tiny": TinyGPT,
     "noskip": NoSkipGPT,
@@ -382,6 +383,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             init_weights=cfg.get("pretrained") or cfg.get("init_weights"),
             init_weights_keys=KEYS.get(cfg.get("init_weights_keys")),
             async_save=cfg.get("async_save", False),
+            save_frozen=cfg.get("save_frozen", False),
         )
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()

@@ -84,11 +84,17 @@ def _whole(obj: Any, keep: bool) -> Any:
 
 
 def gather_model_state(
-    module: nn.Module, key_order: list[str], group: dist.ProcessGroup | None, writer: bool = True, dst: int = 0
+    module: nn.Module,
+    key_order: list[str],
+    group: dist.ProcessGroup | None,
+    writer: bool = True,
+    dst: int = 0,
+    leave_out: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The whole module's state dict on ``dst`` of the writers' pipeline ``group`` (empty elsewhere), keys in
-    one-process order. Every rank takes part: sharded tensors are made whole by the ranks that hold them."""
-    state = _whole(module.state_dict(), keep=writer)
+    one-process order. Every rank takes part: sharded tensors are made whole by the ranks that hold them.
+    ``leave_out``: names neither gathered nor written (a frozen base ``init_weights`` holds)."""
+    state = _whole({k: v for k, v in module.state_dict().items() if k not in leave_out}, keep=writer)
     if not writer:
         return {}
     parts = _gather(state, group, dst)

@@ -10,6 +10,7 @@ state: the pages of a mapped file it touches, the byte ranges of a sharded one i
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from lightning_pp.checkpoints.formats import (
     is_sharded,
     one_process_optimizer_state,
 )
+from lightning_pp.checkpoints.frozen import FROZEN_KEY, check_base
 from lightning_pp.checkpoints.swap import recover
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor, shard_like
@@ -43,12 +45,17 @@ class PendingRestore:
     optimizers: list[dict[str, Any]] | None = None
     # sharded: each optimizer's parameter names in one-process order (the checkpoint keys its state by name)
     names: list[list[str]] | None = None
+    # the frozen base the checkpoint left out (``checkpoints.frozen``): read from init_weights again
+    left_out: frozenset[str] = frozenset()
 
 
-def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[str, Any], PendingRestore]:
+def open_checkpoint(
+    path: Path, weights_only: bool | None = None, init_weights: str | os.PathLike | None = None
+) -> tuple[dict[str, Any], PendingRestore]:
     """The checkpoint dict Lightning restores loops, callbacks and schedulers from; tensors stay on disk.
 
-    A path an interrupted save left empty gives the newest complete checkpoint that save left beside it.
+    A path an interrupted save left empty gives the newest complete checkpoint that save left beside it. A
+    checkpoint that left its frozen base out is refused unless ``init_weights`` holds that base as it was.
     """
     path, recovered = recover(path, is_complete)
     if recovered:
@@ -63,9 +70,11 @@ def open_checkpoint(path: Path, weights_only: bool | None = None) -> tuple[dict[
             for i, g in enumerate(groups)
         ]
         names = [[n for group in g for n in group["params"]] for g in groups]
-        return checkpoint, PendingRestore(path, sharded=True, names=names)
+        left_out = check_base(checkpoint.get(FROZEN_KEY), init_weights, path)
+        return checkpoint, PendingRestore(path, sharded=True, names=names, left_out=left_out)
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
-    return checkpoint, PendingRestore(path, sharded=False)
+    left_out = check_base(checkpoint.get(FROZEN_KEY), init_weights, path)
+    return checkpoint, PendingRestore(path, sharded=False, left_out=left_out)
 
 
 def placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
@@ -91,16 +100,17 @@ def placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[st
 
 
 def check_state_keys(
-    expected: Mapping[str, torch.Tensor | None], found: Mapping[str, Any], strict: bool, path: Path
+    expected: Mapping[str, torch.Tensor | None], found: Mapping[str, Any], strict: bool, pending: PendingRestore
 ) -> None:
     """Names (and shapes, where known here) against the whole module's, so that every rank fails alike
-    before any collective."""
+    before any collective. Keys the checkpoint records as left out (its frozen base) are not missing."""
+    path = pending.path
     mismatched = [
         f"{k}: checkpoint {tuple(found[k].shape)}, module {tuple(v.shape)}"
         for k, v in expected.items()
         if v is not None and isinstance(found.get(k), torch.Tensor) and tuple(found[k].shape) != tuple(v.shape)
     ]
-    missing = [k for k in expected if k not in found] if strict else []
+    missing = [k for k in expected if k not in found and k not in pending.left_out] if strict else []
     unexpected = [k for k in found if k not in expected] if strict else []
     if mismatched or missing or unexpected:
         raise PipelineConfigError(

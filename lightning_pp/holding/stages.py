@@ -18,13 +18,15 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from lightning_pp.checkpoints.export import export_names
+from lightning_pp.checkpoints.export import EXPORT_KEY, export_names
 from lightning_pp.checkpoints.formats import (
     OptimizerLayout,
+    gather_model_state,
     gather_optimizer_state,
     keep_local_parameters,
     optimizer_state_by_name,
 )
+from lightning_pp.checkpoints.frozen import FROZEN_KEY, FrozenBase, gather_left_out, left_out_weights, read_base
 from lightning_pp.checkpoints.pretrained import Pretrained, WeightMap, load_weights, match_weights, open_pretrained
 from lightning_pp.checkpoints.restore import PendingRestore, restore_stage
 from lightning_pp.holding.sharding import repoint_optimizers, shard_stages
@@ -48,6 +50,7 @@ class Holding:
     state_keys: list[str] = field(default_factory=list)  # the whole module's, in one-process order
     pretrained: tuple[Pretrained, WeightMap] | None = None  # init_weights, its names matched at setup
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
+    base: FrozenBase | None = None  # what this rank read from init_weights and left frozen: checkpoints leave it out
     _made: tuple[dict[int, nn.Module], StageModules] | None = None
 
     def hold(
@@ -119,10 +122,15 @@ class Holding:
     def _load_pretrained(self, local: nn.Module, pending: PendingRestore | None) -> None:
         if self.pretrained is None:
             return
-        if pending is not None:
-            rank_zero_info(f"init_weights={str(self.options.init_weights)!r} is not read: ckpt_path= resumes a run.")
-            return
-        read = load_weights(*self.pretrained, local)
+        pretrained, weights = self.pretrained
+        if pending is not None:  # a resume reads only the frozen base its checkpoint left out
+            weights = left_out_weights(weights, pending.left_out, pending.path)
+            if not weights.keys:  # its checkpoint holds every tensor
+                self.base = None
+                rank_zero_info(f"init_weights={str(pretrained.path)!r} is not read: ckpt_path= resumes a run.")
+                return
+        self.base = read_base(pretrained.path, local, weights)
+        read = load_weights(pretrained, weights, local)
         rank_zero_info(f"Rank 0 read {read / 2**20:.1f} MiB of its own stages' tensors from init_weights.")
 
     @property
@@ -130,6 +138,29 @@ class Holding:
         if not self.options.activation_checkpointing:
             return None
         return functools.partial(checkpoint_layers, once=self.options.split_backward)
+
+    def model_state(
+        self, module: nn.Module, optimizers: list[Any], writer: bool, group: dist.ProcessGroup | None
+    ) -> dict[str, Any]:
+        """What a checkpoint keeps of the module's tensors: this rank's own (sharded, or nothing split yet), else
+        the whole module's gathered over the pipeline onto the writer; less the frozen base ``init_weights`` holds
+        (unless ``save_frozen``)."""
+        leave_out = frozenset()
+        if self.base is not None and not self.options.save_frozen:
+            leave_out = self.base.still_frozen(module, [_unwrap(o) for o in optimizers])
+        if not self.pruned or self.options.state_dict_type == "sharded":
+            return {k: v for k, v in module.state_dict().items() if k not in leave_out}
+        return gather_model_state(module, self.state_keys, group, writer, leave_out=leave_out)
+
+    def checkpoint_entries(self, module: nn.Module, group: dist.ProcessGroup | None) -> dict[str, Any]:
+        """What a checkpoint carries beside the state: the names for ``consolidate`` and, where it leaves the frozen
+        base out, where that base is and the keys left out on every stage (every rank calls it: a collective)."""
+        entries: dict[str, Any] = {EXPORT_KEY: self.export_names(module)}
+        if self.base is not None and not self.options.save_frozen:
+            left_out = gather_left_out(self.base.names, group)
+            if left_out:
+                entries[FROZEN_KEY] = self.base.record(left_out)
+        return entries
 
     def optimizer_state(
         self,
