@@ -16,6 +16,7 @@ from conftest import child_env, free_port, run_two_nodes
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
+from lightning_pp import empty_weights, materialize
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.train.app import check_config
 
@@ -49,6 +50,7 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["model=digits_mlp", "data=digits"],
         ["model=gpt2_tiny"],
         ["model=llama_tiny"],
+        ["model=llama_tiny", "peft=lora", "peft.r=4"],
         ["trainer=gpu"],
         ["trainer=cpu_fp16"],
         ["trainer=slurm", "hydra/launcher=slurm"],
@@ -70,12 +72,18 @@ def test_every_config_group_composes(overrides):
     assert set(cfg.strategy) - {"_target_"} == {
         "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
         "activation_checkpointing", "state_dict_type", "split", "init_fn", "timeout", "data_parallel", "fsdp_reshard",
-        "tensor_parallel_size", "microbatch_weight", "init_weights", "init_weights_keys", "async_save",
+        "tensor_parallel_size", "microbatch_weight", "init_weights", "init_weights_keys", "async_save", "init_adapter",
+        "save_frozen",
     }  # fmt: skip
     if "model=gpt2_tiny" in overrides:  # the model's config sets how the strategy splits it
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.transformer.h")
     if "model=llama_tiny" in overrides:
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.model.layers")
+    if "peft=lora" in overrides:  # the model is given peft.LoraConfig's arguments; no adapters by default
+        lora = instantiate(cfg.model.peft)
+        assert (lora.r, lora.lora_alpha, lora.target_modules) == (4, 16, {"q_proj", "v_proj"})
+    else:
+        assert cfg.peft is None and "peft" not in cfg.model
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
     if "trainer=cpu_fp16" in overrides:  # real fp16 on the CPU: the plugin, not the flag (Lightning would use bf16)
         (plugin,) = instantiate(cfg.trainer.plugins)
@@ -142,6 +150,25 @@ def test_hf_gpt2_trains_through_the_app_split_by_the_tracer(tmp_path):
     )
     losses = logged_losses(run_dir)
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_lora_trains_only_the_adapters_through_the_app(tmp_path):
+    # peft=lora: the app's HF Llama wrapped by get_peft_model, built on meta; its layers=model.model.layers resolved
+    run_dir = tmp_path / "run"
+    proc = app([*QUICK, "model=llama_tiny", "peft=lora", "trainer.limit_train_batches=4", f"hydra.run.dir={run_dir}"],
+               tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "layers='model.model.layers' resolved to 'model.base_model.model.model.layers' (inside a peft model)" in (
+        proc.stdout + proc.stderr
+    )
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
+    cfg = compose_app("model=llama_tiny", "peft=lora")
+    with empty_weights():  # the start every rank materialised its stage from (the name rule, seed 0)
+        initial = materialize(instantiate(cfg.model), seed=0).state_dict()
+    assert state.keys() == initial.keys()
+    adapters = [k for k in state if ".lora_" in k]
+    assert len(adapters) == 16 and all(not torch.equal(state[k], initial[k]) for k in adapters)
+    assert all(torch.equal(state[k], initial[k]) for k in state if k not in adapters)
 
 
 def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):

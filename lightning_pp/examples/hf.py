@@ -15,13 +15,17 @@ import torch
 
 
 class HFCausalLM(L.LightningModule):
-    """``config`` are the family's config keys (``hidden_size``, ``num_attention_heads``, ``vocab_size``, ...)."""
+    """``config`` are the family's config keys (``hidden_size``, ``num_attention_heads``, ``vocab_size``, ...);
+    ``peft`` a peft config (``peft.LoraConfig(...)``, the app's ``peft=lora``): the model is wrapped by
+    ``peft.get_peft_model``, so only the adapters train."""
 
-    def __init__(self, model_type: str = "gpt2", n_layers: int = 4, lr: float = 3e-3, **config: Any) -> None:
+    def __init__(
+        self, model_type: str = "gpt2", n_layers: int = 4, lr: float = 3e-3, peft: Any = None, **config: Any
+    ) -> None:
         super().__init__()
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore="peft")  # a peft config object: not for hparams.yaml (Hydra's config has it)
         hf_config = AutoConfig.for_model(model_type, num_hidden_layers=n_layers, use_cache=False, **config)
         self.model = AutoModelForCausalLM.from_config(hf_config)
         # built on meta (trainer.init_module, the Hydra app), each rank initialises its stage by the model's own
@@ -29,6 +33,10 @@ class HFCausalLM(L.LightningModule):
         for module in self.model.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 module.reset_parameters = functools.partial(self.model._init_weights, module)  # type: ignore[assignment]
+        if peft is not None:  # the layers then sit at model.base_model.model.<the model's own path>
+            from peft import get_peft_model
+
+            self.model = get_peft_model(self.model, peft)
 
     def _loss(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         tokens, _ = batch
