@@ -120,7 +120,7 @@ def _changes(saved: Fingerprint, now: Fingerprint) -> list[str]:
         changes.append(
             f"{name} has {size_now} bytes, was {size}"
             if size != size_now
-            else f"{name} was rewritten at {_when(mtime_now)} (saved at {_when(mtime)})"
+            else f"{name} was rewritten at {_when(mtime_now)} (dated {_when(mtime)} when the run read it)"
         )
     return changes
 
