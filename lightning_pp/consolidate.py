@@ -1,11 +1,14 @@
-"""``python -m lightning_pp.consolidate SRC DST [--format hf]``: a checkpoint as one ordinary ``.ckpt``, or
-as a Hugging Face model directory.
+"""``python -m lightning_pp.consolidate SRC DST [--format hf|peft]``: a checkpoint as one ordinary ``.ckpt``, as
+a Hugging Face model directory, or as a peft adapter directory.
 
 ``--format ckpt`` (default): a sharded checkpoint directory as one file that loads with
 ``Module.load_from_checkpoint(DST)`` and resumes with ``ckpt_path=DST`` on one process, as a full checkpoint
 written under the pipeline would. ``--format hf``: SRC (sharded or full) as safetensors shards with an index,
 under the names the weights came in with (``init_weights``), with the ``transformers`` model's config, so
-that ``AutoModelForCausalLM.from_pretrained(DST)`` returns the trained model; one shard in memory at a time.
+that ``AutoModelForCausalLM.from_pretrained(DST)`` returns the trained model; one shard in memory at a time; a
+LoRA run's adapter (``--adapter``, default ``default``) merged into its base weights. ``--format peft``: that
+adapter alone, as ``adapter_config.json`` and ``adapter_model.safetensors`` for
+``PeftModel.from_pretrained(base, DST)``. An export that would leave out tensors the run trained stops, naming them.
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from lightning_pp.checkpoints.export import export_hf
+from lightning_pp.checkpoints.export import export_hf, export_peft
 from lightning_pp.checkpoints.formats import is_sharded, load_sharded
+from lightning_pp.errors import PipelineConfigError
 
 
 def consolidate(src: Path, dst: Path) -> Path:
@@ -37,18 +41,24 @@ def _size(text: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("src", type=Path, help="a sharded checkpoint directory (or, with --format hf, a .ckpt)")
-    parser.add_argument("dst", type=Path, help="the .ckpt file to write, or the directory of the HF model")
-    parser.add_argument("--format", choices=("ckpt", "hf"), default="ckpt")
+    parser.add_argument("src", type=Path, help="a sharded checkpoint directory (or, with --format hf/peft, a .ckpt)")
+    parser.add_argument("dst", type=Path, help="the .ckpt file to write, or the directory of the HF model or adapter")
+    parser.add_argument("--format", choices=("ckpt", "hf", "peft"), default="ckpt")
     parser.add_argument("--max-shard-size", type=_size, default="5GB", help="per safetensors file (hf), e.g. 500MB")
+    parser.add_argument("--adapter", default="default", help="the peft adapter to merge (hf) or write (peft)")
     args = parser.parse_args()
-    if args.format == "hf":
-        left_out = export_hf(args.src, args.dst, args.max_shard_size)
-        if left_out:
-            print(f"left out (not part of the Hugging Face model): {', '.join(left_out)}")
-        print(f"wrote {args.dst}")
-    else:
-        print(f"wrote {consolidate(args.src, args.dst)}")
+    try:
+        if args.format == "hf":
+            left_out = export_hf(args.src, args.dst, args.max_shard_size, args.adapter)
+            if left_out:
+                print(f"left out (not part of the Hugging Face model): {', '.join(left_out)}")
+        elif args.format == "peft":
+            print(f"{len(export_peft(args.src, args.dst, args.adapter))} adapter tensors")
+        else:
+            consolidate(args.src, args.dst)
+    except PipelineConfigError as error:
+        raise SystemExit(f"consolidate --format {args.format}: {error}") from None
+    print(f"wrote {args.dst}")
 
 
 if __name__ == "__main__":

@@ -1,34 +1,67 @@
-"""Trained weights out in Hugging Face's format: safetensors shards, their index, the model's config.
+"""Trained weights out: in Hugging Face's format (safetensors shards, their index, the model's config), or a peft
+adapter directory.
 
 A checkpoint written under the pipeline records (``export_names``) the names its weights came in with
-(``init_weights``' keys) and, where the LightningModule holds a ``transformers`` model, that model's
-config and where it sits. ``export_hf`` then writes one shard at a time, reading only that shard's
-tensors (from a sharded directory through ``torch.distributed.checkpoint``, from a full ``.ckpt``
-through a memory map), so the whole model is never in memory; ``from_pretrained(DST)`` returns it.
+(``init_weights``' keys, and where from), the tensors the run trained, the peft adapters it holds and, where the
+LightningModule holds a ``transformers`` model, that model's config and where it sits. ``export_hf`` then writes
+one shard at a time, reading only that shard's tensors (from a sharded directory through
+``torch.distributed.checkpoint``, from a full ``.ckpt`` through a memory map), so the whole model is never in
+memory; ``from_pretrained(DST)`` returns it, LoRA adapters merged into their base weights. ``export_peft`` writes
+an adapter's own tensors under peft's names. An export that would leave out trained tensors is refused.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from lightning_pp.checkpoints.adapters import AdapterSite, site_of
+from lightning_pp.checkpoints.export_peft import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    LoraMerge,
+    adapter_config,
+    check_kept,
+    lora_merges,
+    peft_tensors,
+    record_adapters,
+    recorded_sites,
+)
 from lightning_pp.checkpoints.formats import META_FILE, is_sharded
-from lightning_pp.checkpoints.pretrained import WeightMap
+from lightning_pp.checkpoints.pretrained import WeightMap, open_pretrained, read_keys
 from lightning_pp.checkpoints.restore import placeholders
+from lightning_pp.errors import PipelineConfigError
 
-EXPORT_KEY = "lightning_pp_export"  # the checkpoint entry export_hf reads
+EXPORT_KEY = "lightning_pp_export"  # the checkpoint entry the exports read
 INDEX_FILE = "model.safetensors.index.json"
+Reader = Callable[[list[str]], dict[str, torch.Tensor]]  # names -> those tensors, whole, on the CPU
 
 
-def export_names(module: nn.Module, weights: WeightMap | None) -> dict[str, Any]:
-    """What a checkpoint keeps for the export: the names weights came in with, the HF model's config."""
-    found: dict[str, Any] = {"keys": dict(weights.keys) if weights is not None else {}}
+def export_names(
+    module: nn.Module,
+    weights: WeightMap | None,
+    trainable: set[str] | frozenset[str] | None = None,
+    init_weights: str | os.PathLike | None = None,
+) -> dict[str, Any]:
+    """What a checkpoint keeps for the exports: the names weights came in with (and from where), the names of the
+    tensors the run trains (``trainable``, else the module's own that require grad), its peft adapters, the HF
+    model's config."""
+    if trainable is None:
+        trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+    found: dict[str, Any] = {
+        "keys": dict(weights.keys) if weights is not None else {},
+        "trainable": sorted(trainable),
+        "adapters": record_adapters(module),
+    }
+    if init_weights is not None:
+        found["init_weights"] = str(Path(init_weights).resolve())
     transformers = sys.modules.get("transformers")
     if transformers is not None:
         for name, m in module.named_modules():
@@ -43,20 +76,23 @@ def export_names(module: nn.Module, weights: WeightMap | None) -> dict[str, Any]
     return found
 
 
-def export_hf(src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30) -> list[str]:
-    """``src`` (a sharded directory or a full ``.ckpt``) as a Hugging Face model directory ``dst``.
+def export_hf(src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30, adapter: str = "default") -> list[str]:
+    """``src`` (a sharded directory or a full ``.ckpt``) as a Hugging Face model directory ``dst``, ``adapter``'s
+    LoRA merged into the base weights.
 
-    Returns the names left out: tensors outside the ``transformers`` model a LightningModule holds.
+    Returns the names left out: untrained tensors outside the ``transformers`` model a LightningModule holds.
     """
-    sharded = is_sharded(src)
-    meta = torch.load(src / META_FILE if sharded else src, mmap=not sharded, map_location="cpu", weights_only=False)
-    state = placeholders(src)[0] if sharded else meta["state_dict"]
-    export = meta.get(EXPORT_KEY, {"keys": {}})
-    names, left_out = _hf_names(list(state), export)
+    export, state, read = _open(src)
+    sites = recorded_sites(export)
+    merges = _merges(state, sites, adapter)
+    names, left_out = _hf_names(list(state), export, sites)
+    merged = {n for m in merges.values() for n in (m.a, m.b)}
+    left_out = [n for n in left_out if n not in merged]
+    check_kept(export.get("trainable", ()), left_out, "export the adapter with --format peft, or map these names")
     files = _files(names, state, max_shard_bytes)
     dst.mkdir(parents=True, exist_ok=True)
     for group in files.values():
-        tensors = _read(src, {n: state[n] for n in group}) if sharded else {n: state[n] for n in group}
+        tensors = _merged(group, merges, read)
         _write(dst, {names[n]: t for n, t in tensors.items()}, {names[n]: i for i, g in files.items() for n in g})
         del tensors
     _write_index(dst, names, files, state)
@@ -68,15 +104,115 @@ def export_hf(src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30) -> list[st
     return left_out
 
 
-def _hf_names(names: list[str], export: Mapping[str, Any]) -> tuple[dict[str, str], list[str]]:
-    """Each tensor's name in the export (the key it came in under, else its name inside the HF model), each
-    written once (a tied tensor's second name is left to the model's config, as ``save_pretrained`` does)."""
+def export_peft(src: Path, dst: Path, adapter: str = "default") -> list[str]:
+    """``adapter`` of ``src`` as a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
+    that ``PeftModel.from_pretrained(base, dst)`` loads. Returns the keys written."""
+    from safetensors.torch import save_file
+
+    export, state, read = _open(src)
+    site = _one_site(recorded_sites(export), adapter, src)
+    keys = peft_tensors(state, site, adapter)
+    if not keys:
+        raise PipelineConfigError(f"{src} holds no tensors of adapter {adapter!r}.")
+    check_kept(export.get("trainable", ()), set(state) - set(keys), "export the merged model with --format hf")
+    dst.mkdir(parents=True, exist_ok=True)
+    tensors = read(list(keys))
+    save_file({keys[n]: t.contiguous() for n, t in tensors.items()}, dst / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    (dst / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(site, adapter), indent=2, sort_keys=True))
+    return sorted(keys.values())
+
+
+def _open(src: Path) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], Reader]:
+    """A checkpoint's export record, its weights (placeholders for a sharded one) and how to read them; tensors the
+    checkpoint left out that came from ``init_weights`` (a frozen base) are read from there."""
+    sharded = is_sharded(src)
+    meta = torch.load(src / META_FILE if sharded else src, mmap=not sharded, map_location="cpu", weights_only=False)
+    state = dict(placeholders(src)[0] if sharded else meta["state_dict"])
+    export = meta.get(EXPORT_KEY, {"keys": {}})
+    own = set(state)
+    base = _frozen_base(export, own)
+    pretrained = open_pretrained(export["init_weights"]) if base else None
+    for name, key in base.items():
+        shape, dtype = pretrained.shapes[key]
+        state[name] = torch.empty(shape, dtype=dtype, device="meta")
+
+    def read(names: list[str]) -> dict[str, torch.Tensor]:
+        mine = [n for n in names if n in own]
+        tensors = _read(src, {n: state[n] for n in mine}) if sharded else {n: state[n] for n in mine}
+        wanted = {base[n]: torch.empty_like(state[n], device="cpu") for n in names if n not in own}
+        if wanted:
+            read_keys(pretrained, wanted)
+        return {**tensors, **{n: wanted[base[n]] for n in names if n not in own}}
+
+    return export, state, read
+
+
+def _frozen_base(export: Mapping[str, Any], own: set[str]) -> dict[str, str]:
+    """The ``init_weights`` tensors (name -> key) a checkpoint does not hold: a checkpoint without its frozen base
+    is exported with the base read from where the run read it. (Whether the base is gone or changed since is for
+    that checkpoint's fingerprint to say, as on resume.)"""
+    missing = {n: k for n, k in export.get("keys", {}).items() if n not in own}
+    if missing and not export.get("init_weights"):
+        raise PipelineConfigError(f"the checkpoint lacks {len(missing)} tensors and records no init_weights to read.")
+    return missing
+
+
+def _merges(state: Mapping[str, torch.Tensor], sites: list[AdapterSite], adapter: str) -> dict[str, LoraMerge]:
+    """``adapter``'s LoRA merges over every site that has it (none for a run without adapters)."""
+    having = [s for s in sites if adapter in s.configs]
+    if sites and not having:
+        raise PipelineConfigError(
+            f"no adapter named {adapter!r}: the checkpoint has {sorted({a for s in sites for a in s.configs})};"
+            " choose one with --adapter NAME."
+        )
+    return {w: m for s in having for w, m in lora_merges(state, s, adapter).items()}
+
+
+def _merged(group: list[str], merges: Mapping[str, LoraMerge], read: Reader) -> dict[str, torch.Tensor]:
+    """The tensors of one file, each adapted weight with its adapter folded in."""
+    extra = [n for w in group if w in merges for n in (merges[w].a, merges[w].b)]
+    tensors = read(group + extra)
+    return {n: merges[n].apply(tensors) if n in merges else tensors[n] for n in group}
+
+
+def _one_site(sites: list[AdapterSite], adapter: str, src: Path) -> AdapterSite:
+    """The one peft model holding ``adapter`` (a peft adapter directory describes one)."""
+    if not sites:
+        raise PipelineConfigError(
+            f"{src} records no peft adapters (a run without adapters, or a checkpoint from before lightning-pp"
+            " recorded them): there is no adapter to write; use --format hf."
+        )
+    having = [s for s in sites if adapter in s.configs]
+    if not having:
+        raise PipelineConfigError(
+            f"no adapter named {adapter!r}: {src} has {sorted({a for s in sites for a in s.configs})};"
+            " choose one with --adapter NAME."
+        )
+    if len(having) > 1:
+        raise PipelineConfigError(
+            f"adapter {adapter!r} sits in {len(having)} peft models ({', '.join(s.prefix for s in having)}): a peft"
+            " adapter directory holds one; use --format hf (merged)."
+        )
+    return having[0]
+
+
+def _hf_names(
+    names: list[str], export: Mapping[str, Any], sites: list[AdapterSite]
+) -> tuple[dict[str, str], list[str]]:
+    """Each tensor's name in the export (the key it came in under, else its name inside the HF model, peft's
+    ``.base_layer`` out), each written once (a tied tensor's second name is left to the model's config, as
+    ``save_pretrained`` does). Adapter tensors are left out (merged, or refused when trained)."""
     keys, hf = export.get("keys", {}), export.get("hf")
     prefix = hf["prefix"] if hf is not None else ""
     out: dict[str, str] = {}  # key -> the first name written under it
     left_out: list[str] = []
     for name in names:
-        key = keys.get(name) or (name[len(prefix) :] if name.startswith(prefix) else None)
+        site = site_of(sites, name)
+        if site is not None and site.adapter_of(name) is not None:
+            left_out.append(name)
+            continue
+        plain = site.prefix + (site.base_key(name) or "") if site is not None else name
+        key = keys.get(name) or (plain[len(prefix) :] if plain.startswith(prefix) else None)
         if key is None:
             left_out.append(name)
         else:

@@ -155,14 +155,19 @@ def load_weights(pretrained: Pretrained, weights: WeightMap, module: nn.Module) 
             wanted.setdefault(weights.keys[name], tensor.detach())
     if not wanted:
         return 0
+    read_keys(pretrained, wanted)
+    return sum(local_tensor(t).numel() * pretrained.shapes[k][1].itemsize for k, t in wanted.items())
+
+
+def read_keys(pretrained: Pretrained, wanted: Mapping[str, torch.Tensor]) -> None:
+    """Copy these checkpoint keys into their tensors (a DTensor's piece of each), reading nothing else."""
     with torch.no_grad():
         if pretrained.format == "torch":
             state = _torch_state(pretrained.path)
             for key, tensor in wanted.items():
                 local_tensor(tensor).copy_(local_tensor(shard_like(state[key], tensor)))
         else:
-            _dcp_load(pretrained, wanted)
-    return sum(local_tensor(t).numel() * pretrained.shapes[k][1].itemsize for k, t in wanted.items())
+            _dcp_load(pretrained, dict(wanted))
 
 
 def _dcp_load(pretrained: Pretrained, wanted: dict[str, torch.Tensor]) -> None:

@@ -48,6 +48,7 @@ class Holding:
     pruned: bool = False
     sharded: bool = False
     state_keys: list[str] = field(default_factory=list)  # the whole module's, in one-process order
+    trainable: frozenset[str] = frozenset()  # the whole module's parameters that require grad, seen before pruning
     pretrained: tuple[Pretrained, WeightMap] | None = None  # init_weights, its names matched at setup
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
     base: FrozenBase | None = None  # what this rank read from init_weights and left frozen: checkpoints leave it out
@@ -75,6 +76,7 @@ class Holding:
         held = list(module.parameters())  # the optimizers' Parameters stay alive (ids unique) until re-pointed
         if fitting and not self.pruned:
             self.state_keys = list(module.state_dict().keys())
+            self.trainable = frozenset(n for n, p in module.named_parameters() if p.requires_grad)
             prune_to_stages(module, placement, stages)
             guard_forwards(module, placement, stages, model_entries(module, placement.layers_path).values())
             local_ids = {id(p) for p in module.parameters()}
@@ -111,8 +113,12 @@ class Holding:
             self.pretrained = pretrained, match_weights(pretrained, module, self.options.init_weights_keys)
 
     def export_names(self, module: nn.Module) -> dict[str, Any]:
-        """What a checkpoint keeps for ``consolidate --format hf``: the names the weights came in with."""
-        return export_names(module, self.pretrained[1] if self.pretrained is not None else None)
+        """What a checkpoint keeps for ``consolidate``: the names the weights came in with, where from, what trained
+        (other stages' parameters as seen before pruning, this rank's as they are now)."""
+        trainable = self.trainable | {n for n, p in module.named_parameters() if p.requires_grad}
+        if self.pretrained is None:
+            return export_names(module, None, trainable)
+        return export_names(module, self.pretrained[1], trainable, self.pretrained[0].path)
 
     @property
     def loaded(self) -> frozenset[str]:

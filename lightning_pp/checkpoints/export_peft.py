@@ -1,0 +1,158 @@
+"""What the two ways out of an adapter run need: the adapters as recorded at save, peft's ``adapter_config.json``,
+which tensors go into peft's adapter file, and LoRA folded into the base weights.
+
+A checkpoint records (``record_adapters``) each peft site's prefix and each adapter's config as plain JSON values
+(a checkpoint must load with ``weights_only=True``: no peft enums or sets), and the names of the tensors the run
+trained. ``consolidate --format peft`` writes the adapter's own tensors under peft's names; ``--format hf`` writes
+the merged model: for each LoRA-adapted weight ``W + scaling * (B @ A)`` with peft's own ``scaling``
+(``lora_alpha / r``, ``lora_alpha / sqrt(r)`` under ``use_rslora``, ``rank_pattern``/``alpha_pattern`` by peft's
+own ``get_pattern_key``), transposed under ``fan_in_fan_out``. Any LoRA option that changes that arithmetic (DoRA,
+LoRA biases, ``modules_to_save``, ...) and any other peft type is refused rather than merged wrong. So is any
+export that would leave out tensors the run trained, naming them.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pp.checkpoints.adapters import AdapterSite, adapter_sites
+from lightning_pp.errors import PipelineConfigError
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# LoRA config fields that do not change the merge (or are peft's truthy defaults); any other one set is refused
+_MERGE_NEUTRAL = frozenset(
+    {
+        "task_type", "peft_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision",
+        "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out",
+        "bias", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
+        "alpha_pattern", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+        "qalora_group_size", "ensure_weight_tying",
+    }
+)  # fmt: skip
+
+
+def record_adapters(module: nn.Module) -> list[dict[str, Any]]:
+    """Each peft site of ``module``: its prefix, holder and each adapter's config, as JSON values."""
+    return [
+        {"prefix": s.prefix, "holder": s.holder, "configs": {a: _jsonable(c.to_dict()) for a, c in s.configs.items()}}
+        for s in adapter_sites(module)
+    ]
+
+
+def recorded_sites(export: Mapping[str, Any]) -> list[AdapterSite]:
+    """The sites a checkpoint recorded (their configs as dicts), outermost first."""
+    return [AdapterSite(r["prefix"], dict(r["configs"]), r["holder"]) for r in export.get("adapters", [])]
+
+
+def adapter_config(site: AdapterSite, adapter: str) -> dict[str, Any]:
+    """``adapter_config.json`` as peft's ``save_pretrained`` writes it (``inference_mode`` set)."""
+    return {**site.configs[adapter], "inference_mode": True}
+
+
+def peft_tensors(names: Iterable[str], site: AdapterSite, adapter: str) -> dict[str, str]:
+    """The adapter's tensors (module name -> key in peft's adapter file)."""
+    found = {n: site.peft_key(n) for n in names if site.adapter_of(n) == adapter}
+    return {n: k for n, k in found.items() if k is not None}
+
+
+@dataclass(frozen=True)
+class LoraMerge:
+    """One LoRA-adapted weight: the module names of ``W``, ``A`` and ``B``, and how peft combines them."""
+
+    weight: str
+    a: str
+    b: str
+    scaling: float
+    fan_in_fan_out: bool
+
+    def apply(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``W + scaling * (B @ A)`` (transposed under ``fan_in_fan_out``), in float32, back in ``W``'s dtype."""
+        w = tensors[self.weight]
+        delta = tensors[self.b].float() @ tensors[self.a].float()
+        return (w.float() + self.scaling * (delta.T if self.fan_in_fan_out else delta)).to(w.dtype)
+
+
+def lora_merges(state: Mapping[str, torch.Tensor], site: AdapterSite, adapter: str) -> dict[str, LoraMerge]:
+    """Every weight ``adapter`` adapts in ``site`` (keyed by the base weight's module name); refuses what peft's
+    plain LoRA merge does not cover."""
+    config = site.configs[adapter]
+    if config.get("peft_type") != "LORA":
+        raise PipelineConfigError(
+            f"adapter {adapter!r} is peft type {config.get('peft_type')!r}: only LoRA is merged here. Export it with"
+            " --format peft, or merge it with peft's merge_and_unload() in one process."
+        )
+    unusual = sorted(k for k, v in config.items() if k not in _MERGE_NEUTRAL and v)
+    if unusual:
+        shown = ", ".join(f"{k}={config[k]!r}" for k in unusual)
+        raise PipelineConfigError(
+            f"adapter {adapter!r} sets {shown}: the merged export covers plain LoRA (W + scaling * B @ A) only."
+            " Export it with --format peft, or merge it with peft's merge_and_unload() in one process."
+        )
+    pairs: dict[str, dict[str, str]] = {}
+    for name in state:
+        if site.adapter_of(name) == adapter:
+            module, _, rest = name.partition(f".{adapter}.")
+            module, _, kind = module.rpartition(".")
+            if kind not in ("lora_A", "lora_B") or rest != "weight":
+                raise PipelineConfigError(
+                    f"cannot merge {name}: the merged export covers LoRA's lora_A/lora_B weights of Linear layers."
+                    " Export it with --format peft."
+                )
+            pairs.setdefault(module, {})[kind] = name
+    return {f"{m}.base_layer.weight": _merge(state, site, adapter, m, p) for m, p in pairs.items()}
+
+
+def check_kept(trainable: Iterable[str], lost: Iterable[str], how: str) -> None:
+    """Refuses an export that would leave out tensors the run trained, naming them."""
+    dropped = sorted(set(trainable) & set(lost))
+    if dropped:
+        shown = ", ".join(dropped[:8]) + (f" (and {len(dropped) - 8} more)" if len(dropped) > 8 else "")
+        raise PipelineConfigError(f"these trained tensors would be lost: {shown}; {how}.")
+
+
+def _merge(
+    state: Mapping[str, torch.Tensor], site: AdapterSite, adapter: str, module: str, pair: dict[str, str]
+) -> LoraMerge:
+    from peft.utils.other import get_pattern_key
+
+    weight, config = f"{module}.base_layer.weight", site.configs[adapter]
+    if set(pair) != {"lora_A", "lora_B"} or weight not in state:
+        raise PipelineConfigError(
+            f"cannot merge adapter {adapter!r} at {module}: the checkpoint lacks"
+            f" {', '.join(sorted({'lora_A', 'lora_B'} - set(pair))) or weight}."
+        )
+    a, b, w = state[pair["lora_A"]], state[pair["lora_B"]], state[weight]
+    product = (b.shape[0], a.shape[-1])
+    if a.dim() != 2 or b.dim() != 2 or tuple(w.shape) != (product[::-1] if config["fan_in_fan_out"] else product):
+        raise PipelineConfigError(
+            f"cannot merge adapter {adapter!r} at {module}: lora_A {list(a.shape)}, lora_B {list(b.shape)} and the"
+            f" base weight {list(w.shape)} are not a Linear's LoRA. Export it with --format peft."
+        )
+    key = module[len(site.prefix) :]  # as peft matched it in the base model
+    rank = config["rank_pattern"].get(get_pattern_key(config["rank_pattern"].keys(), key), config["r"])
+    alpha = config["alpha_pattern"].get(get_pattern_key(config["alpha_pattern"].keys(), key), config["lora_alpha"])
+    if rank != a.shape[0]:
+        raise PipelineConfigError(f"adapter {adapter!r} at {module}: lora_A has rank {a.shape[0]}, its config {rank}.")
+    scaling = alpha / math.sqrt(rank) if config["use_rslora"] else alpha / rank
+    return LoraMerge(weight, pair["lora_A"], pair["lora_B"], scaling, bool(config["fan_in_fan_out"]))
+
+
+def _jsonable(value: Any) -> Any:
+    """peft's config values as JSON (sets sorted into lists, enums as their values), as its ``save_pretrained``."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (set, frozenset)):
+        return sorted(_jsonable(v) for v in value)
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,140 @@
+"""Trained adapters out both ways: ``consolidate --format peft`` loaded by ``PeftModel.from_pretrained`` on the base
+the run started from, ``--format hf`` (LoRA merged) loaded by ``AutoModelForCausalLM.from_pretrained`` with no
+missing or unexpected keys; both give the trained model's logits. Exports that would lose trained tensors stop."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ok, run_job
+from models import LoraLlama, TinyGPT
+
+from lightning_pp.checkpoints.adapters import adapter_sites
+from lightning_pp.checkpoints.export import EXPORT_KEY, export_hf, export_names, export_peft
+from lightning_pp.checkpoints.formats import load_sharded
+from lightning_pp.errors import PipelineConfigError
+
+LOGITS_TOL = 1e-4
+LORA = dict(model="lora_llama", layers="model.base_model.model.model.layers", split="trace", schedule="1f1b",
+            devices=2, m=2, batch=8, n_train=32, n_val=8, limit_val_batches=0, sanity=0, optimizer="adamw",
+            lr=1e-2)  # fmt: skip
+IDS = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(7))
+
+
+def consolidate(src: Path, dst: Path, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "lightning_pp.consolidate", str(src), str(dst), *args]
+    return subprocess.run(command, capture_output=True, text=True)
+
+
+def logits_of_state(state: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The trained model: the checkpoint's state dict in a LoraLlama (peft's forward, adapters unmerged)."""
+    model = LoraLlama()
+    model.load_state_dict(state)
+    with torch.no_grad():
+        return model.model.eval()(input_ids=IDS).logits
+
+
+def base_model(initial: dict[str, torch.Tensor]):
+    """The base the run started from, as peft users hold it: the HF model with the initial frozen weights."""
+    from transformers import LlamaForCausalLM
+
+    site = adapter_sites(LoraLlama())[0]
+    base = LlamaForCausalLM(LoraLlama().model.base_model.model.config)
+    base.load_state_dict({site.base_key(k): v for k, v in initial.items() if site.base_key(k) is not None})
+    return base
+
+
+def assert_exports_reproduce(ckpt: Path, state: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> None:
+    """``consolidate --format peft`` and ``--format hf`` of ``ckpt``, each loaded as its library loads it, give
+    ``state``'s logits."""
+    from peft import PeftModel
+
+    want = logits_of_state(state)
+    out = ckpt.parent / "exports"
+    run = consolidate(ckpt, out / "peft", "--format", "peft")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(p.name for p in (out / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    adapted = PeftModel.from_pretrained(base_model(initial), out / "peft")
+    with torch.no_grad():
+        assert (adapted(input_ids=IDS).logits - want).abs().max() <= LOGITS_TOL
+        assert (base_model(initial)(input_ids=IDS).logits - want).abs().max() > 100 * LOGITS_TOL  # it trained
+    run = consolidate(ckpt, out / "hf", "--format", "hf", "--max-shard-size", "40KB")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "left out" not in run.stdout and len(list((out / "hf").glob("*.safetensors"))) > 1
+    assert_merged_reproduces(out / "hf", want)
+
+
+def assert_merged_reproduces(merged_dir: Path, want: torch.Tensor) -> None:
+    from transformers import AutoModelForCausalLM
+
+    merged, info = AutoModelForCausalLM.from_pretrained(merged_dir, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    with torch.no_grad():
+        assert (merged(input_ids=IDS).logits - want).abs().max() <= LOGITS_TOL
+
+
+def test_a_lora_run_under_1f1b_exports_as_a_peft_adapter_and_as_the_merged_model(tmp_path):
+    ok(run_job({**LORA, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    ckpt = tmp_path / "job" / "final.ckpt"
+    checkpoint = torch.load(ckpt, weights_only=False)
+    state, initial = checkpoint["state_dict"], torch.load(tmp_path / "job" / "initial.pt")
+    # what trained is recorded for the whole module (both ranks' stages), not only the writer's
+    trainable = checkpoint[EXPORT_KEY]["trainable"]
+    assert trainable == sorted(n for n, p in LoraLlama().named_parameters() if p.requires_grad)
+    assert all(state[n].abs().max() > 0 for n in trainable if "lora_B" in n)  # lora_B moved from its zeros
+    assert_exports_reproduce(ckpt, state, initial)
+    want = logits_of_state(state)
+
+    # a checkpoint without its frozen base (every frozen tensor from init_weights): the merged export reads the
+    # base from the recorded init_weights directory
+    site = adapter_sites(LoraLlama())[0]
+    base_model(initial).save_pretrained(tmp_path / "base")
+    frozen = {n for n in state if site.adapter_of(n) is None}
+    lean = {**checkpoint, "state_dict": {n: t for n, t in state.items() if n not in frozen}}
+    lean[EXPORT_KEY] = {**checkpoint[EXPORT_KEY], "keys": {n: site.base_key(n) for n in frozen},
+                        "init_weights": str(tmp_path / "base")}  # fmt: skip
+    torch.save(lean, tmp_path / "lean.ckpt")
+    export_hf(tmp_path / "lean.ckpt", tmp_path / "lean_hf")
+    assert_merged_reproduces(tmp_path / "lean_hf", want)
+
+    # a run that also trained a tensor outside the adapter: the adapter alone would lose it, the merged model keeps
+    # it; a trained tensor outside the HF model is lost either way
+    embedding = "model.base_model.model.model.embed_tokens.weight"
+    also = {**checkpoint, EXPORT_KEY: {**checkpoint[EXPORT_KEY]}}
+    also[EXPORT_KEY]["trainable"] = [*checkpoint[EXPORT_KEY]["trainable"], embedding]
+    torch.save(also, tmp_path / "also.ckpt")
+    with pytest.raises(PipelineConfigError, match=rf"trained tensors would be lost: {embedding}; .*--format hf"):
+        export_peft(tmp_path / "also.ckpt", tmp_path / "also_peft")
+    assert not (tmp_path / "also_peft").exists()
+    export_hf(tmp_path / "also.ckpt", tmp_path / "also_hf")
+    also["state_dict"] = {**state, "head.weight": torch.zeros(2, 2)}
+    also[EXPORT_KEY]["trainable"].append("head.weight")
+    torch.save(also, tmp_path / "outside.ckpt")
+    with pytest.raises(PipelineConfigError, match=r"trained tensors would be lost: head\.weight; "):
+        export_hf(tmp_path / "outside.ckpt", tmp_path / "outside_hf")
+    with pytest.raises(PipelineConfigError, match=r"no adapter named 'other'.*\['default'\].*--adapter"):
+        export_peft(ckpt, tmp_path / "nothing", adapter="other")
+
+
+def test_a_sharded_lora_checkpoint_exports_the_same_way(tmp_path):
+    ok(run_job({**LORA, "strategy": "pipeline", "state_dict_type": "sharded"}, tmp_path / "job", timeout=240))
+    ckpt = tmp_path / "job" / "final.ckpt"
+    assert ckpt.is_dir()
+    assert_exports_reproduce(ckpt, load_sharded(ckpt)["state_dict"], torch.load(tmp_path / "job" / "initial.pt"))
+
+
+@pytest.mark.parametrize("how", ["plain", "pipeline"])
+def test_peft_export_of_a_run_without_adapters_is_refused(tmp_path, how):
+    # a one-process TinyGPT checkpoint: plain Lightning's (nothing recorded), and one recording no adapters
+    model = TinyGPT()
+    checkpoint = {"state_dict": model.state_dict()}
+    if how == "pipeline":
+        checkpoint[EXPORT_KEY] = export_names(model, None)
+    torch.save(checkpoint, tmp_path / "tiny.ckpt")
+    run = consolidate(tmp_path / "tiny.ckpt", tmp_path / "out", "--format", "peft")
+    assert run.returncode != 0 and "records no peft adapters" in run.stderr and "--format hf" in run.stderr
+    assert not (tmp_path / "out").exists()
