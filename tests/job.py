@@ -239,14 +239,33 @@ def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
 
 def pretrained_reference(model: L.LightningModule, cfg: dict[str, Any]) -> L.LightningModule:
     """One process starting from the weights a pipeline reads with ``init_weights``: as Hugging Face loads them
-    (``from_pretrained``, back in train mode), or a state dict in the module's own names."""
+    (``from_pretrained``, back in train mode; wrapped by peft as the module wraps its model), or a state dict in
+    the module's own names."""
     if cfg.get("pretrained"):
         from transformers import AutoModelForCausalLM
 
-        model.model = AutoModelForCausalLM.from_pretrained(cfg["pretrained"]).train()
+        hf = AutoModelForCausalLM.from_pretrained(cfg["pretrained"]).train()
+        configs = getattr(model.model, "peft_config", None)
+        model.model = peft_wrapped(model, hf, configs["default"], cfg.get("init_adapter")) if configs else hf
     else:
         model.load_state_dict(torch.load(cfg["reference_state"]))
     return model
+
+
+def peft_wrapped(model: L.LightningModule, hf: torch.nn.Module, config: Any, adapter: str | None) -> torch.nn.Module:
+    """``hf`` wrapped by peft as ``model`` wraps its own: the adapter directory ``adapter`` as peft loads it, or
+    (none) adapters started by the pipeline's rule: put on meta, then ``lightning_pp.materialize``."""
+    from peft import PeftModel, get_peft_model
+
+    if adapter:
+        return PeftModel.from_pretrained(hf, adapter, is_trainable=True)
+    model.model = get_peft_model(hf, config)
+    for name, module in model.named_modules():
+        if ".lora_" in name:
+            for key, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[key] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+    return lightning_pp.materialize(model).model
 
 
 class Overflow(Callback):
@@ -382,6 +401,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             timeout=cfg.get("timeout", 60),
             init_weights=cfg.get("pretrained") or cfg.get("init_weights"),
             init_weights_keys=KEYS.get(cfg.get("init_weights_keys")),
+            init_adapter=cfg.get("init_adapter"),
             async_save=cfg.get("async_save", False),
             save_frozen=cfg.get("save_frozen", False),
         )

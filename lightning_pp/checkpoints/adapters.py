@@ -17,6 +17,8 @@ from typing import Any, Optional
 from torch import nn
 
 PEFT_FILE_PREFIX = "base_model.model."  # what peft's adapter files put ahead of the base model's names
+ADAPTER_CONFIG = "adapter_config.json"  # what PeftModel.save_pretrained writes into an adapter directory
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _BASE_LAYER = ".base_layer"
 
 

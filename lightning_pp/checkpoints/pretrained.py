@@ -11,7 +11,10 @@ DTensor), or, for a torch file, the pages of a memory-mapped file that those ten
 Names: a checkpoint key matches a tensor by name, or after the one prefix that makes most of them match
 (an HF model held at ``self.model`` is ``model.`` ahead of the checkpoint's names); ``init_weights_keys``
 maps the rest (``name -> key``, or ``None``: left to the module's initialiser). A tied tensor is found
-under any of its names (HF leaves ``lm_head.weight`` out when it is the embedding).
+under any of its names (HF leaves ``lm_head.weight`` out when it is the embedding). Under peft (a
+``get_peft_model`` held at an attribute, or adapters injected) the base's tensors are matched by the base
+model's own names (``...q_proj.base_layer.weight`` as ``...q_proj.weight``, peft's wrapper left off,
+``checkpoints.adapters``); the adapters' tensors are left to peft's initialisation or ``init_adapter``.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pp.checkpoints.adapters import adapter_sites, site_of
 from lightning_pp.checkpoints.formats import META_FILE
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor, shard_like
@@ -56,6 +60,7 @@ class WeightMap:
     keys: Mapping[str, str]  # the module's tensor name -> the checkpoint key
     left: frozenset[str] = field(default_factory=frozenset)  # parameters left to their initialiser
     prefix: str = ""  # how names were matched: "" exact, "-p" p stripped from names, "+p" p added
+    adapters: frozenset[str] = field(default_factory=frozenset)  # peft adapters' parameters: not in the checkpoint
 
 
 def open_pretrained(path: str | os.PathLike) -> Pretrained:
@@ -78,43 +83,51 @@ def open_pretrained(path: str | os.PathLike) -> Pretrained:
     )
 
 
-def match_weights(pretrained: Pretrained, module: nn.Module, keys: KeyFn | None = None) -> WeightMap:
+def match_weights(
+    pretrained: Pretrained, module: nn.Module, keys: KeyFn | None = None, adapters_from: str = "peft's initialisation"
+) -> WeightMap:
     """The key of each of ``module``'s tensors (the whole module, meta or real, the same on every rank).
 
     Refuses, naming them, parameters that neither the checkpoint nor ``keys`` provide, checkpoint keys that
-    no tensor takes, and shapes that differ; says once where a dtype is cast.
+    no tensor takes, and shapes that differ; says once where a dtype is cast, and how many peft adapter tensors
+    start from ``adapters_from`` instead (``keys`` may still map them).
     """
     state = module.state_dict(keep_vars=True)
     aliases = _aliases(state)  # one entry per tensor: all its names
-    names = [n for group in aliases for n in group]
-    prefix, by_prefix = _best_prefix(names, set(pretrained.shapes))
+    base = _base_names(module, [n for group in aliases for n in group])
+    prefix, by_prefix = _best_prefix([b for b in base.values() if b is not None], set(pretrained.shapes))
+    peft = any(b is not None and b != n for n, b in base.items())
     found: dict[str, str] = {}
     left: set[str] = set()
+    adapters: set[str] = set()
     unknown: dict[str, str] = {}
     params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
     used: set[str] = set()
     for group in aliases:
-        under = [by_prefix[n] for n in group if n in by_prefix]  # a tied tensor may be saved under each name
+        under = [by_prefix[b] for b in (base[n] for n in group) if b in by_prefix]  # a tied tensor: under each name
         used.update(under)
         key = under[0] if under else None
+        adapter = all(base[n] is None for n in group)
         if key is None and keys is not None:
             mapped = [(n, keys(n)) for n in group]
             if all(k is None for _, k in mapped):
-                left.update(n for n in group if n in params)
+                (adapters if adapter else left).update(n for n in group if n in params)
                 continue
             name, key = next((n, k) for n, k in mapped if k is not None)
             if key not in pretrained.shapes:
                 unknown[name] = key
                 continue
-        if key is not None:
+        if key is None and adapter:
+            adapters.update(n for n in group if n in params)
+        elif key is not None:
             found.update(dict.fromkeys(group, key))
-    missing = [g[0] for g in aliases if any(n in params for n in g) and g[0] not in found and g[0] not in left]
+    missing = [g[0] for g in aliases if any(n in params for n in g) and g[0] not in found.keys() | left | adapters]
     if unknown or missing:
         lacks = [f"the keys init_weights_keys gave: {_few(unknown)}"] if unknown else []
         lacks += [f"{len(missing)} of {type(module).__name__}'s parameters: {_few(missing)}"] if missing else []
         raise PipelineConfigError(
             f"init_weights={str(pretrained.path)!r} does not hold {'; nor '.join(lacks)}"
-            f" ({_how_names_matched(prefix)})."
+            f" ({_how_names_matched(prefix, peft)})."
             " Give PipelineStrategy(init_weights_keys=fn) with fn(name) -> the checkpoint's key, or None for a"
             " tensor its module's initialiser should set."
         )
@@ -123,7 +136,7 @@ def match_weights(pretrained: Pretrained, module: nn.Module, keys: KeyFn | None 
     if unused:
         raise PipelineConfigError(
             f"init_weights={str(pretrained.path)!r} holds {len(unused)} tensors that no tensor of"
-            f" {type(module).__name__} takes ({_how_names_matched(prefix)}): {_few(unused)}. Is it the"
+            f" {type(module).__name__} takes ({_how_names_matched(prefix, peft)}): {_few(unused)}. Is it the"
             " checkpoint of this model and configuration? Map its names with PipelineStrategy(init_weights_keys=fn)."
         )
     wrong = {n: (pretrained.shapes[k][0], tuple(state[n].shape)) for n, k in found.items() if n in state}
@@ -135,13 +148,16 @@ def match_weights(pretrained: Pretrained, module: nn.Module, keys: KeyFn | None 
             " Build the module with the checkpoint's configuration."
         )
     casts = {(pretrained.shapes[k][1], state[n].dtype) for n, k in found.items() if n in state}
-    message = f"init_weights: {len(used)} tensors from {pretrained.path} ({_how_names_matched(prefix)})"
+    message = f"init_weights: {len(used)} tensors from {pretrained.path} ({_how_names_matched(prefix, peft)})"
     if left:
         message += f"; {len(left)} parameters left to their initialiser"
+    if adapters:
+        kinds = sorted({p for n in adapters for p in n.split(".") if p.startswith("lora_")})
+        message += f"; {len(adapters)} adapter tensors ({', '.join(kinds)}) start from {adapters_from}"
     if any(a != b for a, b in casts):
         message += "; cast " + ", ".join(sorted(f"{a} -> {b}" for a, b in casts if a != b))
     rank_zero_info(message)
-    return WeightMap(found, frozenset(left), prefix)
+    return WeightMap(found, frozenset(left), prefix, frozenset(adapters))
 
 
 def load_weights(pretrained: Pretrained, weights: WeightMap, module: nn.Module) -> int:
@@ -233,6 +249,19 @@ def _torch_state(path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def _base_names(module: nn.Module, names: list[str]) -> dict[str, str | None]:
+    """Each name as the base model names the tensor (inside a peft wrapper: ``...q_proj.weight``), None for a peft
+    adapter's tensors; names outside any peft model unchanged."""
+    sites = adapter_sites(module)
+    if not sites:
+        return {n: n for n in names}
+    base: dict[str, str | None] = {}
+    for n in names:
+        site = site_of(sites, n)
+        base[n] = n if site is None else site.base_key(n)
+    return base
+
+
 def _aliases(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
     """Every tensor of a module's state dict once, with all the names it goes by (tied ones have several)."""
     groups: dict[int, list[str]] = {}
@@ -264,11 +293,12 @@ def _best_prefix(names: list[str], keys: set[str]) -> tuple[str, dict[str, str]]
     return best, under(best)
 
 
-def _how_names_matched(prefix: str) -> str:
+def _how_names_matched(prefix: str, peft: bool = False) -> str:
+    steps = ", peft's wrapper and .base_layer steps left off" if peft else ""
     if not prefix:
-        return "names matched as they are"
+        return f"names matched as they are{steps}"
     p = prefix[1:]
-    return f"names matched with {p!r} {'left off' if prefix[0] == '-' else 'put in front'}"
+    return f"names matched with {p!r} {'left off' if prefix[0] == '-' else 'put in front'}{steps}"
 
 
 def _few(items: Mapping[str, str] | list[str]) -> str:

@@ -7,7 +7,6 @@ forward that skips no part, a tied embedding and head, the loss computed inside 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import lightning as L
@@ -27,12 +26,9 @@ class HFCausalLM(L.LightningModule):
 
         self.save_hyperparameters(ignore="peft")  # a peft config object: not for hparams.yaml (Hydra's config has it)
         hf_config = AutoConfig.for_model(model_type, num_hidden_layers=n_layers, use_cache=False, **config)
+        # built on meta (trainer.init_module, the Hydra app), each rank initialises its stage as transformers
+        # and peft would: the model's _init_weights, each LoRA layer's reset_lora_parameters
         self.model = AutoModelForCausalLM.from_config(hf_config)
-        # built on meta (trainer.init_module, the Hydra app), each rank initialises its stage by the model's own
-        # rule: every module that owns parameters gets the model's _init_weights as its reset_parameters
-        for module in self.model.modules():
-            if any(True for _ in module.parameters(recurse=False)):
-                module.reset_parameters = functools.partial(self.model._init_weights, module)  # type: ignore[assignment]
         if peft is not None:  # the layers then sit at model.base_model.model.<the model's own path>
             from peft import get_peft_model
 

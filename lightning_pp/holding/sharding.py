@@ -125,7 +125,7 @@ def _shard_stages(
     )
     for stage, view in views.items():
         for name, unit in stage_units(view, placement, stage):
-            materialize(unit, device, init_fn=init_fn, prefix=name, loaded=loaded)
+            materialize(unit, device, init_fn=init_fn, prefix=name, loaded=loaded, within=view)
             fully_shard(unit, **options)
         materialize(view, device, init_fn=init_fn, loaded=loaded)  # what is left: loose parameters, buffers
         fully_shard(roots[stage], **options)

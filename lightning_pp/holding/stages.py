@@ -18,6 +18,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from lightning_pp.checkpoints.adapter_weights import open_adapter
 from lightning_pp.checkpoints.export import EXPORT_KEY, export_names
 from lightning_pp.checkpoints.formats import (
     OptimizerLayout,
@@ -50,6 +51,7 @@ class Holding:
     state_keys: list[str] = field(default_factory=list)  # the whole module's, in one-process order
     trainable: frozenset[str] = frozenset()  # the whole module's parameters that require grad, seen before pruning
     pretrained: tuple[Pretrained, WeightMap] | None = None  # init_weights, its names matched at setup
+    adapter: tuple[Pretrained, WeightMap] | None = None  # init_adapter, checked at setup
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
     base: FrozenBase | None = None  # what this rank read from init_weights and left frozen: checkpoints leave it out
     _made: tuple[dict[int, nn.Module], StageModules] | None = None
@@ -97,6 +99,7 @@ class Holding:
                 materialize(local, device, init_fn=self.options.init_fn, loaded=self.loaded)
                 made = tracer.stages(views, device, self._recompute) if tracer else pruned_stages(views, placement)
             self._load_pretrained(local, pending)
+            self._load_adapter(local, pending)
             self._made = (views, made)
         views, make_stages = self._made
         repoint_optimizers(optimizers, aliases, local)
@@ -107,10 +110,17 @@ class Holding:
         return local, views, make_stages
 
     def match_pretrained(self, module: nn.Module) -> None:
-        """``init_weights``: the checkpoint's names and shapes against the whole module, on every rank alike."""
-        if self.options.init_weights is not None and self.pretrained is None and not self.pruned:
+        """``init_weights`` and ``init_adapter``: names, shapes (and the adapter's config) against the whole module,
+        on every rank alike."""
+        if self.pruned:
+            return
+        adapter = self.options.init_adapter
+        if self.options.init_weights is not None and self.pretrained is None:
             pretrained = open_pretrained(self.options.init_weights)
-            self.pretrained = pretrained, match_weights(pretrained, module, self.options.init_weights_keys)
+            source = "peft's initialisation" if adapter is None else f"init_adapter={str(adapter)!r}"
+            self.pretrained = pretrained, match_weights(pretrained, module, self.options.init_weights_keys, source)
+        if adapter is not None and self.adapter is None:
+            self.adapter = open_adapter(adapter, module)
 
     def export_names(self, module: nn.Module) -> dict[str, Any]:
         """What a checkpoint keeps for ``consolidate``: the names the weights came in with, where from, what trained
@@ -122,8 +132,9 @@ class Holding:
 
     @property
     def loaded(self) -> frozenset[str]:
-        """The tensors (qualified names) ``init_weights`` sets: their modules need no initialiser on meta."""
-        return frozenset(self.pretrained[1].keys) if self.pretrained is not None else frozenset()
+        """The tensors (qualified names) ``init_weights`` and ``init_adapter`` set: their modules need no initialiser
+        on meta."""
+        return frozenset(k for source in (self.pretrained, self.adapter) if source is not None for k in source[1].keys)
 
     def _load_pretrained(self, local: nn.Module, pending: PendingRestore | None) -> None:
         if self.pretrained is None:
@@ -138,6 +149,16 @@ class Holding:
         self.base = read_base(pretrained.path, local, weights)
         read = load_weights(pretrained, weights, local)
         rank_zero_info(f"Rank 0 read {read / 2**20:.1f} MiB of its own stages' tensors from init_weights.")
+
+    def _load_adapter(self, local: nn.Module, pending: PendingRestore | None) -> None:
+        """``init_adapter``, after ``init_weights``: this rank's adapter tensors from the adapter directory."""
+        if self.adapter is None:
+            return
+        if pending is not None:
+            rank_zero_info(f"init_adapter={str(self.options.init_adapter)!r} is not read: ckpt_path= resumes a run.")
+            return
+        read = load_weights(*self.adapter, local)
+        rank_zero_info(f"Rank 0 read {read / 2**20:.3f} MiB of its own stages' adapter tensors from init_adapter.")
 
     @property
     def _recompute(self) -> Callable[[Mapping[str, nn.Module]], None] | None:
