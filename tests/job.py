@@ -50,7 +50,6 @@ from models import (  # noqa: E402
     TwiceGPT,
     WrappedGPT,
     loader,
-    peft_base_key,
     renamed_key,
 )
 
@@ -58,7 +57,7 @@ import lightning_pp  # noqa: E402,F401
 from lightning_pp.layout.dtensors import local_tensor  # noqa: E402
 from lightning_pp.runtime.weighting import label_tokens  # noqa: E402
 
-KEYS = {"renamed": renamed_key, "peft": peft_base_key}  # init_weights_keys by name
+KEYS = {"renamed": renamed_key}  # init_weights_keys by name
 MODELS = {
     "tiny": TinyGPT,
     "noskip": NoSkipGPT,

@@ -519,14 +519,6 @@ class LoraGPT(TinyGPT):
             p.requires_grad_(".lora_" in name)
 
 
-def peft_base_key(name: str) -> str | None:
-    """``init_weights_keys`` for ``LoraLlama``: a base tensor's name in the HF checkpoint (peft's wrapper and
-    ``.base_layer`` out); adapter tensors are left to their initialiser."""
-    if ".lora_" in name:
-        return None
-    return name.removeprefix("model.base_model.model.").replace(".base_layer.", ".")
-
-
 def renamed_key(name: str) -> str:
     """``init_weights_keys`` for TinyGPT reading a checkpoint whose names differ (``backbone.``, ``ln_f.``)."""
     if name.startswith("net."):

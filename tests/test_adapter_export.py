@@ -16,6 +16,7 @@ from models import LoraLlama, TinyGPT
 from lightning_pp.checkpoints.adapters import adapter_sites
 from lightning_pp.checkpoints.export import EXPORT_KEY, export_hf, export_names, export_peft
 from lightning_pp.checkpoints.formats import load_sharded
+from lightning_pp.checkpoints.frozen import FROZEN_KEY, fingerprint
 from lightning_pp.errors import PipelineConfigError
 
 LOGITS_TOL = 1e-4
@@ -95,11 +96,16 @@ def test_a_lora_run_under_1f1b_exports_as_a_peft_adapter_and_as_the_merged_model
     base_model(initial).save_pretrained(tmp_path / "base")
     frozen = {n for n in state if site.adapter_of(n) is None}
     lean = {**checkpoint, "state_dict": {n: t for n, t in state.items() if n not in frozen}}
-    lean[EXPORT_KEY] = {**checkpoint[EXPORT_KEY], "keys": {n: site.base_key(n) for n in frozen},
-                        "init_weights": str(tmp_path / "base")}  # fmt: skip
+    lean[EXPORT_KEY] = {**checkpoint[EXPORT_KEY], "keys": {n: site.base_key(n) for n in frozen}}
+    base = (tmp_path / "base").resolve()
+    lean[FROZEN_KEY] = {"init_weights": str(base), "fingerprint": fingerprint(base), "left_out": sorted(frozen)}
     torch.save(lean, tmp_path / "lean.ckpt")
     export_hf(tmp_path / "lean.ckpt", tmp_path / "lean_hf")
     assert_merged_reproduces(tmp_path / "lean_hf", want)
+    model_file = next(base.glob("*.safetensors"))
+    model_file.write_bytes(model_file.read_bytes())  # the base rewritten since the run read it
+    with pytest.raises(PipelineConfigError, match=r"files changed since: .*safetensors was rewritten"):
+        export_hf(tmp_path / "lean.ckpt", tmp_path / "lean_hf_stale")
 
     # a run that also trained a tensor outside the adapter: the adapter alone would lose it, the merged model keeps
     # it; a trained tensor outside the HF model is lost either way

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFLlama, LoraLlama, peft_base_key
+from models import HFLlama, LoraLlama
 from test_checkpoints import after
 from test_tied import assert_state_equal
 
+from lightning_pp.checkpoints.adapters import adapter_sites
 from lightning_pp.checkpoints.formats import load_sharded
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, read_base
 from lightning_pp.checkpoints.pretrained import match_weights, open_pretrained
@@ -22,7 +23,7 @@ from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, o
 from lightning_pp.errors import PipelineConfigError
 
 LOSS_TOL, PARAM_TOL = 2e-4, 1e-5
-LORA = dict(model="lora_llama", split="trace", layers="model.base_model.model.model.layers", init_weights_keys="peft",
+LORA = dict(model="lora_llama", split="trace", layers="model.base_model.model.model.layers",
             optimizer="adamw", lr=1e-2, batch=8, n_train=32, n_val=8, limit_val_batches=0, sanity=0, max_epochs=10,
             devices=2, strategy="pipeline")  # fmt: skip
 
@@ -44,7 +45,8 @@ def _with_base(checkpoint: dict, base: Path, out: Path) -> Path:
     """The checkpoint one process can resume from: the left-out base put back under the module's names."""
     tensors = _base_tensors(base)
     record = checkpoint.pop(FROZEN_KEY)
-    checkpoint["state_dict"].update({n: tensors[peft_base_key(n)] for n in record["left_out"]})
+    site = adapter_sites(LoraLlama())[0]
+    checkpoint["state_dict"].update({n: tensors[site.base_key(n)] for n in record["left_out"]})
     torch.save(checkpoint, out)
     return out
 
@@ -89,7 +91,8 @@ def test_lora_checkpoints_leave_the_base_out_resume_from_it_and_are_refused_when
     assert FROZEN_KEY not in full and set(full["state_dict"]) == names
     assert_state_equal(full["state_dict"], one["state"], PARAM_TOL)
     tensors = _base_tensors(base)
-    assert all(torch.equal(full["state_dict"][n], tensors[peft_base_key(n)]) for n in record["left_out"])
+    site = adapter_sites(LoraLlama())[0]
+    assert all(torch.equal(full["state_dict"][n], tensors[site.base_key(n)]) for n in record["left_out"])
     sizes = {"without the base": os.path.getsize(first.out / "final.ckpt"),
              "save_frozen=True": os.path.getsize(third.out / "final.ckpt")}  # fmt: skip
     print(f"checkpoint bytes: {sizes}")
@@ -122,7 +125,7 @@ def test_only_what_init_weights_set_and_training_never_touched_is_left_out(tmp_p
     base = _base(tmp_path)
     model = LoraLlama()
     pretrained = open_pretrained(base)
-    weights = match_weights(pretrained, model, peft_base_key)
+    weights = match_weights(pretrained, model)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
     assert frozen == set(weights.keys)  # the base: every frozen parameter, no adapter
     norm = "model.base_model.model.model.norm.weight"

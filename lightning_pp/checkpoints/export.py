@@ -13,7 +13,6 @@ an adapter's own tensors under peft's names. An export that would leave out trai
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -22,10 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pp.checkpoints.adapters import AdapterSite, site_of
+from lightning_pp.checkpoints.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterSite, site_of
 from lightning_pp.checkpoints.export_peft import (
-    ADAPTER_CONFIG,
-    ADAPTER_WEIGHTS,
     LoraMerge,
     adapter_config,
     check_kept,
@@ -35,7 +32,8 @@ from lightning_pp.checkpoints.export_peft import (
     recorded_sites,
 )
 from lightning_pp.checkpoints.formats import META_FILE, is_sharded
-from lightning_pp.checkpoints.pretrained import WeightMap, open_pretrained, read_keys
+from lightning_pp.checkpoints.frozen import FROZEN_KEY, check_base
+from lightning_pp.checkpoints.pretrained import Pretrained, WeightMap, open_pretrained, read_keys
 from lightning_pp.checkpoints.restore import placeholders
 from lightning_pp.errors import PipelineConfigError
 
@@ -45,14 +43,10 @@ Reader = Callable[[list[str]], dict[str, torch.Tensor]]  # names -> those tensor
 
 
 def export_names(
-    module: nn.Module,
-    weights: WeightMap | None,
-    trainable: set[str] | frozenset[str] | None = None,
-    init_weights: str | os.PathLike | None = None,
+    module: nn.Module, weights: WeightMap | None, trainable: set[str] | frozenset[str] | None = None
 ) -> dict[str, Any]:
-    """What a checkpoint keeps for the exports: the names weights came in with (and from where), the names of the
-    tensors the run trains (``trainable``, else the module's own that require grad), its peft adapters, the HF
-    model's config."""
+    """What a checkpoint keeps for the exports: the names weights came in with, the names of the tensors the run
+    trains (``trainable``, else the module's own that require grad), its peft adapters, the HF model's config."""
     if trainable is None:
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     found: dict[str, Any] = {
@@ -60,8 +54,6 @@ def export_names(
         "trainable": sorted(trainable),
         "adapters": record_adapters(module),
     }
-    if init_weights is not None:
-        found["init_weights"] = str(Path(init_weights).resolve())
     transformers = sys.modules.get("transformers")
     if transformers is not None:
         for name, m in module.named_modules():
@@ -130,8 +122,7 @@ def _open(src: Path) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], Reader
     state = dict(placeholders(src)[0] if sharded else meta["state_dict"])
     export = meta.get(EXPORT_KEY, {"keys": {}})
     own = set(state)
-    base = _frozen_base(export, own)
-    pretrained = open_pretrained(export["init_weights"]) if base else None
+    base, pretrained = _frozen_base(export, meta.get(FROZEN_KEY), src)
     for name, key in base.items():
         shape, dtype = pretrained.shapes[key]
         state[name] = torch.empty(shape, dtype=dtype, device="meta")
@@ -147,14 +138,15 @@ def _open(src: Path) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], Reader
     return export, state, read
 
 
-def _frozen_base(export: Mapping[str, Any], own: set[str]) -> dict[str, str]:
-    """The ``init_weights`` tensors (name -> key) a checkpoint does not hold: a checkpoint without its frozen base
-    is exported with the base read from where the run read it. (Whether the base is gone or changed since is for
-    that checkpoint's fingerprint to say, as on resume.)"""
-    missing = {n: k for n, k in export.get("keys", {}).items() if n not in own}
-    if missing and not export.get("init_weights"):
-        raise PipelineConfigError(f"the checkpoint lacks {len(missing)} tensors and records no init_weights to read.")
-    return missing
+def _frozen_base(
+    export: Mapping[str, Any], record: Mapping[str, Any] | None, src: Path
+) -> tuple[dict[str, str], Pretrained | None]:
+    """The tensors (name -> ``init_weights`` key) a checkpoint without its frozen base left out, and that base,
+    checked as a resume checks it (the same files as when the run read them): the export reads them from there."""
+    if not record:
+        return {}, None
+    left_out = check_base(record, record["init_weights"], src)
+    return {n: export["keys"][n] for n in left_out}, open_pretrained(record["init_weights"])
 
 
 def _merges(state: Mapping[str, torch.Tensor], sites: list[AdapterSite], adapter: str) -> dict[str, LoraMerge]:

@@ -25,8 +25,6 @@ from torch import nn
 from lightning_pp.checkpoints.adapters import AdapterSite, adapter_sites
 from lightning_pp.errors import PipelineConfigError
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 # LoRA config fields that do not change the merge (or are peft's truthy defaults); any other one set is refused
 _MERGE_NEUTRAL = frozenset(
     {

@@ -123,12 +123,10 @@ class Holding:
             self.adapter = open_adapter(adapter, module)
 
     def export_names(self, module: nn.Module) -> dict[str, Any]:
-        """What a checkpoint keeps for ``consolidate``: the names the weights came in with, where from, what trained
+        """What a checkpoint keeps for ``consolidate``: the names the weights came in with, what trained
         (other stages' parameters as seen before pruning, this rank's as they are now)."""
         trainable = self.trainable | {n for n, p in module.named_parameters() if p.requires_grad}
-        if self.pretrained is None:
-            return export_names(module, None, trainable)
-        return export_names(module, self.pretrained[1], trainable, self.pretrained[0].path)
+        return export_names(module, self.pretrained[1] if self.pretrained is not None else None, trainable)
 
     @property
     def loaded(self) -> frozenset[str]:
