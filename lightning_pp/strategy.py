@@ -512,11 +512,10 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
         """Checked against the whole module now; loaded into this rank's stage once it exists."""
-        assert self._pending is not None
-        local = self.lightning_module.state_dict()
-        expected = {k: local.get(k) for k in self._holding.state_keys} if self._holding.pruned else local
-        check_state_keys(expected, checkpoint["state_dict"], strict, self._pending)
-        self._pending.model, self._pending.strict = checkpoint["state_dict"], strict
+        pending, state = self._pending, checkpoint["state_dict"]
+        assert pending is not None
+        check_state_keys(self._holding.whole_state(self.lightning_module), state, strict, pending)
+        pending.model, pending.strict = state, strict
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:

@@ -128,6 +128,11 @@ class Holding:
         trainable = self.trainable | {n for n, p in module.named_parameters() if p.requires_grad}
         return export_names(module, self.pretrained[1] if self.pretrained is not None else None, trainable)
 
+    def whole_state(self, module: nn.Module) -> dict[str, Any]:
+        """The whole module's state as a checkpoint must match it: once pruned, other stages' keys (as None)."""
+        local = module.state_dict()
+        return {k: local.get(k) for k in self.state_keys} if self.pruned else local
+
     @property
     def loaded(self) -> frozenset[str]:
         """The tensors (qualified names) ``init_weights`` and ``init_adapter`` set: their modules need no initialiser
