@@ -31,6 +31,7 @@ from models import (  # noqa: E402
     BatchNormGPT,
     DelegatingGPT,
     FrozenGPT,
+    FrozenTensorParallelGPT,
     HFGPT2Cache,
     HFGPT2Logits,
     HFGPT2Twice,
@@ -79,6 +80,7 @@ MODELS = {
     "llama": HFLlama,
     "batchnorm": BatchNormGPT,
     "frozen": FrozenGPT,
+    "frozen_tp": FrozenTensorParallelGPT,
     "lora_llama": LoraLlama,
     "lora_gpt": LoraGPT,
 }

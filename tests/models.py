@@ -492,6 +492,10 @@ class FrozenGPT(TinyGPT):
         return net
 
 
+class FrozenTensorParallelGPT(FrozenGPT, TensorParallelGPT):
+    """``FrozenGPT`` whose blocks' MLPs are split over the tensor-parallel ranks (frozen DTensors among them)."""
+
+
 class LoraLlama(HFLlama):
     """``HFLlama`` wrapped by ``peft.get_peft_model`` inside the module: LoRA on ``q_proj``/``v_proj`` of the later
     half of the layers only, the rest of the model frozen (layers at ``model.base_model.model.model.layers``)."""

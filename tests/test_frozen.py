@@ -67,6 +67,19 @@ def test_frozen_leading_stages_under_2bw(tmp_path, reference):
     _assert_trained_as(job, reference(**common(cfg), reference_2bw=True), lambda key: not key.startswith(frozen))
 
 
+@pytest.mark.parametrize("layout", ["ddp", "tp"])
+def test_frozen_leading_stages_with_replicas_or_tensor_parallel_under_zbv(layout, tmp_path, reference):
+    # 2 stages per rank on 2 pipeline ranks, x2 DDP replicas (a stage with nothing to train has nothing to average)
+    # or x2 tensor-parallel shards of each block's MLP (frozen DTensors in the first stages)
+    cfg = dict(model="frozen_tp" if layout == "tp" else "frozen", schedule="zbv", devices=4, pp=2, m=4, batch=8,
+               n_train=24, n_val=8)  # fmt: skip
+    cfg.update(tp=2) if layout == "tp" else cfg.update(data_parallel="ddp")
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    ref = reference(**(combined(cfg) if layout == "ddp" else common(cfg)))
+    frozen = ("net.embed.weight", "net.pos", "net.blocks.b0.", "net.blocks.b1.")
+    _assert_trained_as(job, ref, lambda key: not key.startswith(frozen), replicas=(0, 2) if layout == "ddp" else (0,))
+
+
 LORA = dict(model="lora_llama", split="trace", layers="model.base_model.model.model.layers", n_val=8)
 
 

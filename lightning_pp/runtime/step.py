@@ -227,10 +227,12 @@ class PipelineRunner:
 
     def _replicated(self, wrapper: StageModule) -> nn.Module:
         """``wrapper`` under DDP when torch's stages average the replicas (one DDP per wrapper); an FSDP root
-        hidden from torch's stage when each micro-batch reshards."""
+        hidden from torch's stage when each micro-batch reshards. A stage with nothing to train (frozen: a
+        fine-tune's leading stages) has nothing to average, and DDP refuses it."""
         if self._sharded == "microbatch":
             return _Opaque(wrapper)
-        if self._replicas is None or self._average_over is not None:
+        trains = any(p.requires_grad for p in wrapper.parameters())
+        if self._replicas is None or self._average_over is not None or not trains:
             return wrapper
         if id(wrapper) not in self._ddp:
             self._ddp[id(wrapper)] = DistributedDataParallel(
