@@ -12,12 +12,9 @@ weights with :func:`materialize`.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
-import sys
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,8 +25,15 @@ from torch.utils._pytree import tree_map_only
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import whole_parameters
 from lightning_pp.layout.options import InitFn
-
-_INIT_METHODS = ("reset_parameters", "_reset_parameters")
+from lightning_pp.memory.initializers import (
+    check_owners,
+    check_set,
+    fill_or_find_unset,
+    initializer,
+    library_rules,
+    library_set,
+    meta_owners,
+)
 
 
 @contextlib.contextmanager
@@ -77,29 +81,6 @@ def _own_tensors(module: nn.Module, recurse: bool = False) -> Iterator[torch.Ten
     yield from (b for b in module.buffers(recurse=recurse) if b is not None)
 
 
-@dataclass(frozen=True)
-class _Rule:
-    """How the library that built a module initialises it, learned from the modules around it."""
-
-    pretrained: nn.Module | None = None  # the innermost transformers PreTrainedModel holding it: its _init_weights
-    lora: tuple[tuple[str, Any], ...] = ()  # a peft LoRA layer: (adapter, init_lora_weights) for each adapter
-    tuner: str = ""  # inside an adapter of this peft tuner layer (qualified name), which initialises it afterwards
-    unknown: str = ""  # why its initialisation cannot be known without the base weights
-
-
-_PLAIN = _Rule()
-
-
-@dataclass(frozen=True)
-class _Owner:
-    """A module whose initialiser runs: it owns meta tensors that no checkpoint sets (a LoRA layer: its adapters')."""
-
-    name: str  # qualified, in the whole model
-    module: nn.Module
-    tensors: tuple[str, ...]  # those tensors, named inside ``module``
-    rule: _Rule
-
-
 def check_initializers(
     module: nn.Module, init_fn: InitFn | None = None, loaded: Collection[str] = frozenset(), prefix: str = ""
 ) -> None:
@@ -107,198 +88,7 @@ def check_initializers(
     pretrained checkpoint sets) holds all of them; checked on the whole module on every rank."""
     _check_metrics(module)
     if init_fn is None:
-        _check_owners(module, _owners(module, prefix, loaded, _rules(module, prefix)))
-
-
-def _check_owners(module: nn.Module, owners: list[_Owner]) -> None:
-    missing = [(o, why) for o in owners if isinstance(why := _initializer(o, None), str)]
-    if missing:
-        shown = [
-            f"'{o.name or '<root>'}' ({type(o.module).__name__}: {sorted(o.tensors)}{'; ' + why if why else ''})"
-            for o, why in missing
-        ]
-        raise PipelineConfigError(
-            f"{type(module).__name__} was built on the meta device, but these modules own meta parameters or"
-            f" buffers and have no initialiser: {', '.join(shown)}. Give each a `reset_parameters(self)` that"
-            " initialises its own tensors, or pass PipelineStrategy(init_fn=fn) where fn(module, name) initialises"
-            " any module's own tensors"
-            + (
-                ", or start the adapters from PipelineStrategy(init_adapter=DIR), a PEFT adapter directory."
-                if any(o.rule.unknown for o, _ in missing)
-                else "."
-            )
-        )
-
-
-def _rules(root: nn.Module, prefix: str = "") -> dict[str, _Rule]:
-    """Each module's rule by qualified name (``prefix`` is ``root``'s), as its library starts it eagerly: a
-    module inside a transformers model by that model's ``_init_weights`` (what ``from_config`` runs), a peft
-    tuner layer's adapters by the layer's own reset (what ``get_peft_model`` runs), the modules of an adapter
-    by torch's rule (peft creates them as plain modules). No library imported: every module is plain."""
-    pretrained_type = _imported("transformers", "PreTrainedModel")
-    tuner_type = _imported("peft.tuners.tuners_utils", "BaseTunerLayer")
-    rules: dict[str, _Rule] = {}
-    if pretrained_type is None and tuner_type is None:
-        return rules
-
-    def visit(name: str, module: nn.Module, pretrained: nn.Module | None, configs: dict, inside: _Rule | None) -> None:
-        tuner = inside is None and tuner_type is not None and isinstance(module, tuner_type)
-        if inside is not None:
-            rule = inside
-        elif tuner:
-            rule = _tuner_rule(name, module, configs)
-        else:
-            if pretrained_type is not None and isinstance(module, pretrained_type):
-                pretrained = module
-            rule = _Rule(pretrained=pretrained)
-        rules[name] = rule
-        own_configs = getattr(module, "peft_config", None)
-        configs = own_configs if isinstance(own_configs, dict) and own_configs else configs
-        for key, child in module._modules.items():
-            if child is not None:
-                adapter = tuner and key in getattr(module, "adapter_layer_names", ())
-                below = _Rule(tuner=name, unknown=rule.unknown) if adapter else inside
-                visit(_join(name, key), child, pretrained, configs, below)
-
-    visit(prefix, root, None, {}, None)
-    return rules
-
-
-def _tuner_rule(name: str, layer: nn.Module, configs: dict[str, Any]) -> _Rule:
-    """A peft LoRA layer resets each adapter by its config's ``init_lora_weights`` (as ``update_layer`` does);
-    inits drawn from the base weights (PiSSA, OLoRA, LoftQ, ...), variants (DoRA) and other tuners cannot be
-    known on meta."""
-    lora_type = _imported("peft.tuners.lora.layer", "LoraLayer")
-    if lora_type is None or not isinstance(layer, lora_type):
-        return _Rule(
-            unknown=f"inside peft's {type(layer).__name__} layer '{name}': lightning-pp starts LoRA layers only"
-        )
-    adapters = []
-    for adapter in getattr(layer, "r", {}):
-        init = getattr(configs.get(adapter), "init_lora_weights", None)
-        variant = getattr(layer, "lora_variant", {}).get(adapter)
-        where = f"peft's LoRA layer '{name}' (adapter {adapter!r})"
-        if variant is not None:
-            return _Rule(unknown=f"{where} is a {type(variant).__name__}, started from the base weights")
-        if not (init is True or init is False or (isinstance(init, str) and init.lower() == "gaussian")):
-            return _Rule(unknown=f"{where} starts with init_lora_weights={init!r}; on meta: True, False or 'gaussian'")
-        adapters.append((adapter, init))
-    return _Rule(lora=tuple(adapters))
-
-
-def _imported(module: str, name: str) -> Any:
-    """A library's class, if the library is imported already (a model built with it imports it)."""
-    return getattr(sys.modules.get(module), name, None)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else name or prefix
-
-
-def _owners(module: nn.Module, prefix: str, loaded: Collection[str], rules: dict[str, _Rule]) -> list[_Owner]:
-    """The modules (qualified names) whose initialiser runs, every module after all of its descendants.
-
-    Children first, as in eager construction: a parent's initialiser may adjust its children's tensors
-    (``nn.MultiheadAttention`` zeroes ``out_proj.bias`` after the Linear's own init, a LoRA layer resets its
-    adapters' Linears). A module runs it when it owns a meta tensor that no checkpoint sets (``loaded``); a
-    LoRA layer, when one of its adapters' tensors is such.
-    """
-    owners = []
-    for name, m in reversed(list(module.named_modules())):
-        qualified = _join(prefix, name)
-        rule = rules.get(qualified, _PLAIN)
-        named = _adapter_tensors(m) if rule.lora else _named_own(m)
-        tensors = tuple(n for n, t in named if t.is_meta and _join(qualified, n) not in loaded)
-        if tensors:
-            owners.append(_Owner(qualified, m, tensors, rule))
-    return owners
-
-
-def _adapter_tensors(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """A peft tuner layer's adapter tensors (``lora_A.default.weight``), not its base layer's."""
-    names = getattr(layer, "adapter_layer_names", ())
-    yield from ((n, t) for n, t in _named_all(layer) if n.split(".")[0] in names)
-
-
-def _named_all(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters()
-    yield from ((n, b) for n, b in module.named_buffers() if b is not None)
-
-
-def _initializer(owner: _Owner, init_fn: InitFn | None) -> Callable[[], Any] | str:
-    """The call that initialises ``owner``'s tensors under its name's seed, or why none is known ("": none at all).
-
-    ``init_fn`` comes first; then the library's rule; then the module's own ``reset_parameters``. A module inside
-    a transformers model runs its own initialiser, then the model's ``_init_weights`` (eager construction's order:
-    a module that ``_init_weights`` does not know keeps torch's values).
-    """
-    if init_fn is not None:
-        return functools.partial(init_fn, owner.module, owner.name)
-    rule = owner.rule
-    if rule.unknown:
-        return rule.unknown
-    if rule.lora:
-        pending = {n.split(".")[1] for n in owner.tensors}  # the adapters some checkpoint does not set
-        return functools.partial(_reset_lora, owner.module, [(a, init) for a, init in rule.lora if a in pending])
-    own = next((getattr(owner.module, m) for m in _INIT_METHODS if callable(getattr(owner.module, m, None))), None)
-    if rule.pretrained is not None:
-        return functools.partial(_init_hf, rule.pretrained, owner.module, own)
-    if own is not None:
-        return own
-    if rule.tuner:  # an adapter's tensors outside a Linear (lora_embedding_A): its LoRA layer sets them
-        return lambda: None
-    return ""
-
-
-def _reset_lora(layer: Any, adapters: list[tuple[str, Any]]) -> None:
-    for adapter, init in adapters:
-        layer.reset_lora_parameters(adapter, init)
-
-
-def _init_hf(model: Any, module: nn.Module, own: Callable[[], Any] | None) -> None:
-    if own is not None:
-        own()
-    model._init_weights(module)
-
-
-def _library_set(owners: list[_Owner]) -> list[_Owner]:
-    """The owners a library's initialiser sets by type (``_init_weights``, a LoRA layer's reset): checked after."""
-    return [o for o in owners if o.rule.pretrained is not None or o.rule.tuner]
-
-
-def _unset(owners: list[_Owner], fill: bool) -> list[tuple[_Owner, list[str]]]:
-    """Fill the owners' floating tensors with NaN (``fill``), or list those some NaN is still in."""
-    left = []
-    for owner in owners:
-        tensors = [(n, _tensor(owner.module, n)) for n in owner.tensors]
-        floating = [(n, t) for n, t in tensors if t.is_floating_point()]
-        if fill:
-            for _, t in floating:
-                t.fill_(float("nan"))
-        elif unset := [n for n, t in floating if bool(t.isnan().any())]:
-            left.append((owner, unset))
-    return left
-
-
-def _tensor(module: nn.Module, name: str) -> torch.Tensor:
-    path, _, attr = name.rpartition(".")
-    holder = module.get_submodule(path) if path else module
-    return holder._parameters[attr] if attr in holder._parameters else holder._buffers[attr]  # type: ignore[return-value]
-
-
-def _check_set(owners: list[_Owner]) -> None:
-    unset = _unset(owners, fill=False)
-    if unset:
-        shown = [
-            f"'{o.name}' ({type(o.module).__name__}: {names}, by "
-            + (f"{type(o.rule.pretrained).__name__}._init_weights)" if o.rule.tuner == "" else f"'{o.rule.tuner}')")
-            for o, names in unset
-        ]
-        raise PipelineConfigError(
-            f"Materialising modules built on meta, their library's initialiser left tensors unset: {', '.join(shown)}."
-            " Give each such module a `reset_parameters(self)`, or pass PipelineStrategy(init_fn=fn) where"
-            " fn(module, name) initialises any module's own tensors, or load them with init_weights."
-        )
+        check_owners(module, meta_owners(module, prefix, loaded, library_rules(module, prefix)))
 
 
 def check_materialized(module: nn.Module) -> None:
@@ -311,11 +101,6 @@ def check_materialized(module: nn.Module) -> None:
             " complete?). Each rank materialises its stage at the first batch; save after training at least one"
             " batch, or keep the checkpoint you resumed from."
         )
-
-
-def _named_own(module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from module.named_parameters(recurse=False)
-    yield from ((n, b) for n, b in module.named_buffers(recurse=False) if b is not None)
 
 
 def _check_metrics(module: nn.Module) -> None:
@@ -361,13 +146,15 @@ def materialize(
     """
     device = torch.device(device)
     seed = global_seed() if seed is None else seed
-    owners = _owners(module, prefix, loaded, _rules(within) if within is not None else _rules(module, prefix))
+    owners = meta_owners(
+        module, prefix, loaded, library_rules(within) if within is not None else library_rules(module, prefix)
+    )
     if owners:
         _check_metrics(module)
         if init_fn is None:
-            _check_owners(module, owners)
-    initializers = [(o.name, _initializer(o, init_fn)) for o in owners]
-    checked = _library_set(owners) if init_fn is None else []
+            check_owners(module, owners)
+    initializers = [(o.name, initializer(o, init_fn)) for o in owners]
+    checked = library_set(owners) if init_fn is None else []
     with contextlib.ExitStack() as whole:
         for owner in owners:
             whole.enter_context(whole_parameters(owner.module))
@@ -377,11 +164,11 @@ def materialize(
         )
         cuda = [index] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda), torch.no_grad():
-            _unset(checked, fill=True)
+            fill_or_find_unset(checked, fill=True)
             for name, initialize in initializers:
                 torch.manual_seed(name_seed(seed, name))
                 initialize()  # type: ignore[operator]
-            _check_set(checked)
+            check_set(checked)
     return module
 
 
