@@ -13,6 +13,7 @@ from conftest import ok, run_job
 from models import HFGPT2, HFLlama, TinyGPT, renamed_key
 from test_parity import assert_same_logs, common
 from test_tied import assert_state_equal, combined
+from torch import nn
 
 from lightning_pp import empty_weights, materialize
 from lightning_pp.checkpoints.formats import load_sharded
@@ -152,3 +153,12 @@ def test_a_checkpoint_that_does_not_fit_stops_every_rank_before_training(saved, 
     job = run_job({**cfg, "strategy": "pipeline", "timeout": 30}, tmp_path / "job", timeout=120, launcher=True)
     assert job.returncode != 0 and job.seconds < 90, job.output[-3000:]
     assert job.output.count("that no tensor of HFLlama takes") >= 2, job.output[-3000:]  # on both ranks
+
+
+def test_names_match_under_a_prefix_of_any_depth(saved):
+    # the module holds the network three attributes deep; the checkpoint names it from the network down
+    outer = nn.Module()
+    outer.encoder = nn.Module()
+    outer.encoder.backbone = TinyGPT(optimizer="sgd")
+    weights = match_weights(open_pretrained(saved["tiny"]), outer)
+    assert weights.prefix == "-encoder.backbone." and len(weights.keys) == len(outer.state_dict())

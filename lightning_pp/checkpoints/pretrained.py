@@ -272,14 +272,14 @@ def _aliases(state: Mapping[str, torch.Tensor]) -> list[list[str]]:
 
 
 def _best_prefix(names: list[str], keys: set[str]) -> tuple[str, dict[str, str]]:
-    """The one prefix (stripped from names, or added to them) under which the most names are keys."""
+    """The one prefix of any depth (stripped from names, or added to them) under which the most names are keys."""
     candidates = {""}
     for n in names:
         parts = n.split(".")
-        candidates.update(f"-{'.'.join(parts[:i])}." for i in (1, 2) if len(parts) > i)
+        candidates.update(f"-{'.'.join(parts[:i])}." for i in range(1, len(parts)))
     for k in keys:
         parts = k.split(".")
-        candidates.update(f"+{'.'.join(parts[:i])}." for i in (1, 2) if len(parts) > i)
+        candidates.update(f"+{'.'.join(parts[:i])}." for i in range(1, len(parts)))
 
     def under(prefix: str) -> dict[str, str]:
         if not prefix:
