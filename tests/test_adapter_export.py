@@ -1,6 +1,7 @@
 """Trained adapters out both ways: ``consolidate --format peft`` loaded by ``PeftModel.from_pretrained`` on the base
 the run started from, ``--format hf`` (LoRA merged) loaded by ``AutoModelForCausalLM.from_pretrained`` with no
-missing or unexpected keys; both give the trained model's logits. Exports that would lose trained tensors stop."""
+missing or unexpected keys; both give the trained model's logits (a sharded checkpoint without its base: in
+test_frozen_checkpoints.py). Exports that would lose trained tensors stop."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from models import LoraLlama, TinyGPT
 
 from lightning_pp.checkpoints.adapters import adapter_sites
 from lightning_pp.checkpoints.export import EXPORT_KEY, export_hf, export_names, export_peft
-from lightning_pp.checkpoints.formats import load_sharded
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, fingerprint
 from lightning_pp.errors import PipelineConfigError
 
@@ -124,13 +124,6 @@ def test_a_lora_run_under_1f1b_exports_as_a_peft_adapter_and_as_the_merged_model
         export_hf(tmp_path / "outside.ckpt", tmp_path / "outside_hf")
     with pytest.raises(PipelineConfigError, match=r"no adapter named 'other'.*\['default'\].*--adapter"):
         export_peft(ckpt, tmp_path / "nothing", adapter="other")
-
-
-def test_a_sharded_lora_checkpoint_exports_the_same_way(tmp_path):
-    ok(run_job({**LORA, "strategy": "pipeline", "state_dict_type": "sharded"}, tmp_path / "job", timeout=240))
-    ckpt = tmp_path / "job" / "final.ckpt"
-    assert ckpt.is_dir()
-    assert_exports_reproduce(ckpt, load_sharded(ckpt)["state_dict"], torch.load(tmp_path / "job" / "initial.pt"))
 
 
 @pytest.mark.parametrize("how", ["plain", "pipeline"])

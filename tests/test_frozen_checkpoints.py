@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ok, run_job
 from models import HFLlama, LoraLlama
+from test_adapter_export import assert_exports_reproduce
 from test_checkpoints import after
 from test_tied import assert_state_equal
 
@@ -85,6 +86,9 @@ def test_lora_checkpoints_leave_the_base_out_resume_from_it_and_are_refused_when
     third = ok(run_job(dict(lora, schedule="1f1b", m=2, max_steps=10, save_frozen=True,
                             resume=str(step8)), tmp_path / "third", timeout=240))  # fmt: skip
     one = reference(**dict(LORA, max_steps=10, resume=str(_with_base(sharded, base, tmp_path / "step8.ckpt"))))
+    # step 8's directory (sharded, without its base) exported both ways, the base read from the recorded init_weights
+    whole = torch.load(tmp_path / "step8.ckpt", weights_only=False)["state_dict"]
+    assert_exports_reproduce(step8, whole, initial=whole)  # the base is the same at every step: frozen
     got, expected = after(third.rank(0)["logged"], 8), after(one["logged"], 8)
     assert len(got) == len(expected) == 2 and got == pytest.approx(expected, abs=LOSS_TOL)
     full = torch.load(third.out / "final.ckpt", weights_only=False)

@@ -54,10 +54,10 @@ def export_names(
         "trainable": sorted(trainable),
         "adapters": record_adapters(module),
     }
-    transformers = sys.modules.get("transformers")
-    if transformers is not None:
+    modeling = sys.modules.get("transformers.modeling_utils")  # imported where a module holds an HF model
+    if modeling is not None:
         for name, m in module.named_modules():
-            if isinstance(m, transformers.PreTrainedModel):
+            if isinstance(m, modeling.PreTrainedModel):
                 generation = getattr(m, "generation_config", None)
                 found["hf"] = {
                     "prefix": f"{name}." if name else "",

@@ -74,7 +74,7 @@ def library_rules(root: nn.Module, prefix: str = "") -> dict[str, Rule]:
     module inside a transformers model by that model's ``_init_weights`` (what ``from_config`` runs), a peft
     tuner layer's adapters by the layer's own reset (what ``get_peft_model`` runs), the modules of an adapter
     by torch's rule (peft creates them as plain modules). No library imported: every module is plain."""
-    pretrained_type = _imported("transformers", "PreTrainedModel")
+    pretrained_type = _imported("transformers.modeling_utils", "PreTrainedModel")
     tuner_type = _imported("peft.tuners.tuners_utils", "BaseTunerLayer")
     rules: dict[str, Rule] = {}
     if pretrained_type is None and tuner_type is None:
@@ -126,7 +126,9 @@ def _tuner_rule(name: str, layer: nn.Module, configs: dict[str, Any]) -> Rule:
 
 
 def _imported(module: str, name: str) -> Any:
-    """A library's class, if the library is imported already (a model built with it imports it)."""
+    """A library's class, if the module defining it is imported already (a model built with it imported it).
+    Asked of the defining module, not the package: ``transformers`` resolves its names lazily, and asking it
+    would import ``modeling_utils`` (12 MiB of a rank's memory) for models that have nothing of it."""
     return getattr(sys.modules.get(module), name, None)
 
 
