@@ -92,8 +92,10 @@ def test_lora_on_the_later_layers_of_a_traced_llama_under_v_schedules(schedule, 
 
 
 def test_lora_with_fsdp_replicas_trains_as_one_process_on_their_combined_batch(tmp_path, reference):
-    # 2 replicas (FSDP2 over them) x 2 stages: the adapters' gradients reduce-scattered, the frozen base sharded
-    cfg = dict(LORA, schedule="1f1b", devices=4, pp=2, data_parallel="fsdp", m=2, batch=4, n_train=24, n_layers=4)
+    # 2 replicas (FSDP2 over them) x 2 stages: the adapters' gradients reduce-scattered, the frozen base sharded;
+    # validation batches of 2 per replica beside training's 4 (each signature's traced pieces on one FSDP root)
+    cfg = dict(LORA, schedule="1f1b", devices=4, pp=2, data_parallel="fsdp", m=2, batch=4, n_train=24, n_layers=4,
+               n_val=4)  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
     _assert_trained_as(job, reference(**combined(cfg)), lambda key: ".lora_" in key, replicas=(0, 2))
 

@@ -215,6 +215,8 @@ class PipelineRunner:
             self._schedules[key] = (schedule, wrappers)
             while len(self._schedules) > _MAX_CACHED_SHAPES:
                 self._schedules.popitem(last=False)
+        else:  # stage modules every signature shares (a traced stage's FSDP root) take up this signature's piece
+            self._make_stages(train, call)
         self._schedules.move_to_end(key)
         return self._schedules[key]
 
