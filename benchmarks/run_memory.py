@@ -10,6 +10,7 @@ JSON file given.
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 
@@ -52,6 +53,7 @@ class SavedActivations(L.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self.steps += 1
+        gc.collect()  # what only a cycle keeps (freed at the collector's next run, whenever that is) is not held
         self.held = self.current
         self._params = {p.untyped_storage().data_ptr() for p in pl_module.parameters()}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)

@@ -190,5 +190,6 @@ def test_zbv_leaves_nothing_between_steps_and_peaks_as_predicted(tmp_path, bench
     config = Config(2, "zbv", 2, 8, (2, 2, 2, 2), "uniform", False)
     predicted = predict(config, benchmark_costs, QUIET, 32, 2).activation_bytes
     assert measured["peak_bytes_per_stage"] == pytest.approx(predicted, rel=0.10)
-    # what is alive when a step starts: a few receive buffers, not a step's activations (6.3 MB a stage-micro-batch)
-    assert max(measured["held_bytes_per_stage"]) < 6e6
+    # what is alive when a step starts: a few receive buffers and at times one micro-batch's activations (6.3 MB a
+    # stage-micro-batch; 0 to 6.6 MB over runs, the base commit alike), not a step's (8 micro-batches, 2 stages)
+    assert max(measured["held_bytes_per_stage"]) < 10e6
