@@ -55,6 +55,16 @@ def test_one_gpu_holds_both_stages_of_a_v(tmp_path, reference):
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
 
 
+@gpus(1)
+def test_one_gpu_holds_a_v_behind_a_frozen_stage(tmp_path, reference):
+    # stage 0 (embedding, first block) frozen: stage 1's input carries no gradient (runtime/split_backward.py)
+    cfg = dict(CUDA, model="frozen", schedule="zbv", devices=1, m=4, n_layers=2)
+    job = pipelined(cfg, tmp_path)
+    ref = reference(**{**common(cfg), "batch": cfg["batch"] // cfg["m"], "accumulate": cfg["m"]})
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+    assert torch.equal(job.state()["net.blocks.b0.ff.0.weight"], ref["initial"]["net.blocks.b0.ff.0.weight"])
+
+
 @gpus(2)
 def test_a_meta_built_model_is_materialised_on_each_rank_s_device(tmp_path, reference):
     cfg = dict(CUDA, model="init", build="init_module", devices=2, m=2)
