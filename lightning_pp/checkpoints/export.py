@@ -151,13 +151,19 @@ def _frozen_base(
 
 def _merges(state: Mapping[str, torch.Tensor], sites: list[AdapterSite], adapter: str) -> dict[str, LoraMerge]:
     """``adapter``'s LoRA merges over every site that has it (none for a run without adapters)."""
+    having = _having(sites, adapter) if sites else []
+    return {w: m for s in having for w, m in lora_merges(state, s, adapter).items()}
+
+
+def _having(sites: list[AdapterSite], adapter: str) -> list[AdapterSite]:
+    """The sites that hold ``adapter``; none is refused, naming the adapters there are."""
     having = [s for s in sites if adapter in s.configs]
-    if sites and not having:
+    if not having:
         raise PipelineConfigError(
             f"no adapter named {adapter!r}: the checkpoint has {sorted({a for s in sites for a in s.configs})};"
             " choose one with --adapter NAME."
         )
-    return {w: m for s in having for w, m in lora_merges(state, s, adapter).items()}
+    return having
 
 
 def _merged(group: list[str], merges: Mapping[str, LoraMerge], read: Reader) -> dict[str, torch.Tensor]:
@@ -174,12 +180,7 @@ def _one_site(sites: list[AdapterSite], adapter: str, src: Path) -> AdapterSite:
             f"{src} records no peft adapters (a run without adapters, or a checkpoint from before lightning-pp"
             " recorded them): there is no adapter to write; use --format hf."
         )
-    having = [s for s in sites if adapter in s.configs]
-    if not having:
-        raise PipelineConfigError(
-            f"no adapter named {adapter!r}: {src} has {sorted({a for s in sites for a in s.configs})};"
-            " choose one with --adapter NAME."
-        )
+    having = _having(sites, adapter)
     if len(having) > 1:
         raise PipelineConfigError(
             f"adapter {adapter!r} sits in {len(having)} peft models ({', '.join(s.prefix for s in having)}): a peft"

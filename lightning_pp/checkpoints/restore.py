@@ -60,6 +60,7 @@ def open_checkpoint(
     path, recovered = recover(path, is_complete)
     if recovered:
         rank_zero_warn(recovered)
+    names: list[list[str]] | None = None
     if is_sharded(path):
         checkpoint = torch.load(path / META_FILE, weights_only=False)
         groups = checkpoint.pop("optimizer_param_groups")
@@ -70,11 +71,10 @@ def open_checkpoint(
             for i, g in enumerate(groups)
         ]
         names = [[n for group in g for n in group["params"]] for g in groups]
-        left_out = check_base(checkpoint.get(FROZEN_KEY), init_weights, path)
-        return checkpoint, PendingRestore(path, sharded=True, names=names, left_out=left_out)
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+    else:
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     left_out = check_base(checkpoint.get(FROZEN_KEY), init_weights, path)
-    return checkpoint, PendingRestore(path, sharded=False, left_out=left_out)
+    return checkpoint, PendingRestore(path, sharded=names is not None, names=names, left_out=left_out)
 
 
 def placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
