@@ -106,6 +106,7 @@ class PipelineStrategy(ParallelStrategy):
         data_parallel: options.DataParallel = "ddp",
         fsdp_reshard: options.Reshard = "step",
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         microbatch_weight: Optional[options.MicrobatchWeight] = None,
         init_fn: Optional[options.InitFn] = None,
         init_weights: Optional[Union[str, PathLike]] = None,
@@ -121,8 +122,8 @@ class PipelineStrategy(ParallelStrategy):
         self.options = options.PipelineOptions(
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
-            microbatch_weight, init_fn, init_weights, init_weights_keys, timeout, process_group_backend, async_save,
-            init_adapter, save_frozen,
+            expert_parallel_size, microbatch_weight, init_fn, init_weights, init_weights_keys, timeout,
+            process_group_backend, async_save, init_adapter, save_frozen,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend
@@ -175,7 +176,7 @@ class PipelineStrategy(ParallelStrategy):
         """This rank's place in the (replica, stage, tensor-parallel shard) grid."""
         o = self.options
         return make_layout(o.pipeline_parallel_size, self.world_size, self.global_rank, o.schedule, o.stages_per_rank,
-                           o.tensor_parallel_size)  # fmt: skip
+                           o.tensor_parallel_size, o.expert_parallel_size)  # fmt: skip
 
     @property
     def n_stages(self) -> int:
@@ -205,7 +206,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         connect(self.cluster_environment, backend, self.options.timeout, self.root_device)
         self._groups = make_groups(layout, self.root_device.type)
-        self._holding.shard_over = self._groups.mesh["data_parallel"] if self.options.data_parallel == "fsdp" else None
+        self._holding.use_mesh(self._groups.mesh)
         self._holding.mp_policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", ""))
         # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
         self.lightning_module._device_mesh = self._groups.mesh

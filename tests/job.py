@@ -40,6 +40,7 @@ from models import (  # noqa: E402
     ItemGPT,
     ListGPT,
     LoraGPT,
+    MOE,
     LoraLlama,
     NoSkipGPT,
     SelfShardedGPT,
@@ -83,6 +84,7 @@ MODELS = {
     "frozen_tp": FrozenTensorParallelGPT,
     "lora_llama": LoraLlama,
     "lora_gpt": LoraGPT,
+    **MOE,
 }
 
 
@@ -398,6 +400,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             data_parallel=cfg.get("data_parallel", "ddp"),
             fsdp_reshard=cfg.get("fsdp_reshard", "step"),
             tensor_parallel_size=cfg.get("tp", 1),
+            expert_parallel_size=cfg.get("ep", 1),
             microbatch_weight=functools.partial(label_tokens, key="targets") if cfg.get("weighted") else None,
             timeout=cfg.get("timeout", 60),
             init_weights=cfg.get("pretrained") or cfg.get("init_weights"),
@@ -470,6 +473,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "local_param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()),
         "meta_params": sum(p.is_meta for p in model.parameters()),
+        "expert_bytes": [sum(f(p).numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+                         for f in (local_tensor, lambda p: p)],  # fmt: skip
         "whole_bytes": whole_bytes,
         "peak_growth": usage.peak_growth,
         "read_first_batch": usage.read_first_batch,

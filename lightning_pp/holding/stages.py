@@ -34,6 +34,7 @@ from lightning_pp.holding.sharding import repoint_optimizers, shard_stages
 from lightning_pp.layout.options import PipelineOptions
 from lightning_pp.memory.materialize import materialize
 from lightning_pp.memory.recompute import checkpoint_layers
+from lightning_pp.split.experts import shard_experts
 from lightning_pp.split.pruned import StageModules, pruned_stages
 from lightning_pp.split.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
 from lightning_pp.split.traced import Tracer
@@ -45,6 +46,7 @@ class Holding:
 
     options: PipelineOptions
     shard_over: Any = None  # the replicas' DeviceMesh under data_parallel="fsdp", else None
+    experts_over: Any = None  # the replicas' DeviceMesh with expert_parallel_size > 1, else None
     mp_policy: Any = None  # FSDP2's MixedPrecisionPolicy
     pruned: bool = False
     sharded: bool = False
@@ -55,6 +57,11 @@ class Holding:
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
     base: FrozenBase | None = None  # what this rank read from init_weights and left frozen: checkpoints leave it out
     _made: tuple[dict[int, nn.Module], StageModules] | None = None
+
+    def use_mesh(self, mesh: Any) -> None:
+        """The world's (data, pipeline, tensor) mesh: FSDP shards, or experts are split, over its replicas."""
+        self.shard_over = mesh["data_parallel"] if self.options.data_parallel == "fsdp" else None
+        self.experts_over = mesh["data_parallel"] if self.options.expert_parallel_size > 1 else None
 
     def hold(
         self,
@@ -96,6 +103,8 @@ class Holding:
                     tracer, self._recompute,
                 )  # fmt: skip
             else:
+                if self.experts_over is not None:
+                    shard_experts(local, self.experts_over)
                 materialize(local, device, init_fn=self.options.init_fn, loaded=self.loaded)
                 made = tracer.stages(views, device, self._recompute) if tracer else pruned_stages(views, placement)
             self._load_pretrained(local, pending)

@@ -106,6 +106,7 @@ def make_layout(
     schedule: str = "1f1b",
     stages_per_rank: int = 1,
     tensor_parallel_size: int = 1,
+    expert_parallel_size: int = 1,
 ) -> Layout:
     tp = int(tensor_parallel_size)
     if tp < 1 or world_size % tp:
@@ -121,6 +122,14 @@ def make_layout(
             f" not divide the world size {world_size} (devices x nodes); choose a stage count that divides"
             f" {world_size // tp}, e.g."
             f" {[d for d in range(1, world_size // tp + 1) if (world_size // tp) % d == 0]}."
+        )
+    dp = world_size // (pp * tp)
+    if expert_parallel_size not in (1, dp):
+        raise PipelineConfigError(
+            f"expert_parallel_size={expert_parallel_size} with {dp} pipeline replica(s) ({world_size} ranks /"
+            f" {pp} stages{f' / {tp} shards' if tp > 1 else ''}): each stage's experts are split over all of its"
+            f" replicas. Use expert_parallel_size={dp} (or 1), or choose pipeline_parallel_size so that"
+            f" {expert_parallel_size} replicas remain."
         )
     return Layout(world_size, pp, rank, schedule, stages_per_rank, tp)
 

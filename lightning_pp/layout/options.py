@@ -56,6 +56,7 @@ class PipelineOptions:
     data_parallel: DataParallel = "ddp"
     fsdp_reshard: Reshard = "step"
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     microbatch_weight: Optional[MicrobatchWeight] = None
     init_fn: Optional[InitFn] = None
     init_weights: Optional[Union[str, os.PathLike]] = None
@@ -76,8 +77,9 @@ class PipelineOptions:
         _check_choice("split", self.split, _SPLITS)
         _check_choice("data_parallel", self.data_parallel, _DATA_PARALLEL)
         _check_choice("fsdp_reshard", self.fsdp_reshard, _RESHARD)
-        if int(self.tensor_parallel_size) < 1:
-            raise PipelineConfigError(f"tensor_parallel_size={self.tensor_parallel_size} must be a positive integer.")
+        for size in ("tensor_parallel_size", "expert_parallel_size"):
+            if int(getattr(self, size)) < 1:
+                raise PipelineConfigError(f"{size}={getattr(self, size)} must be a positive integer.")
         timeout = self.timeout
         normal = {
             "schedule": schedule,
@@ -85,6 +87,7 @@ class PipelineOptions:
             "stages_per_rank": resolve_stages_per_rank(schedule, self.stages_per_rank),
             "activation_checkpointing": bool(self.activation_checkpointing),
             "tensor_parallel_size": int(self.tensor_parallel_size),
+            "expert_parallel_size": int(self.expert_parallel_size),
             "timeout": timedelta(seconds=timeout)
             if isinstance(timeout, (int, float))
             else timeout or default_pg_timeout,
@@ -162,6 +165,19 @@ def _check_combinations(o: PipelineOptions) -> None:
             " user's modules, whose FSDP units would reshard after each of them. Use fsdp_reshard='step' with"
             " split='trace', or split='prune'."
         )
+    if o.expert_parallel_size > 1:
+        unsupported = {
+            "data_parallel='fsdp'": o.data_parallel == "fsdp",
+            f"tensor_parallel_size={o.tensor_parallel_size}": o.tensor_parallel_size > 1,
+            "schedule='2bw'": o.asynchronous,
+        }
+        for what, given in unsupported.items():
+            if given:
+                raise PipelineConfigError(
+                    f"expert_parallel_size={o.expert_parallel_size} with {what} is not supported yet: the experts are"
+                    " sharded over the replicas, which DDP (data_parallel='ddp') averages the other weights over. Use"
+                    f" expert_parallel_size=1 with {what}."
+                )
     if o.asynchronous:
         unsupported = {
             "data_parallel='fsdp'": o.data_parallel == "fsdp",

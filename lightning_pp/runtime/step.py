@@ -30,6 +30,7 @@ from lightning_pp.runtime.metrics import MetricTap
 from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
 from lightning_pp.runtime.split_backward import exact_split_backward
 from lightning_pp.runtime.telemetry import Event, StepRecorder
+from lightning_pp.split.experts import is_routed
 from lightning_pp.split.microbatch import ModelCall, batch_size_of, capture_model_call, signature, split_batch
 from lightning_pp.split.profiling import sum_of_outputs
 from lightning_pp.split.pruned import StageModule, StageModules
@@ -237,6 +238,8 @@ class PipelineRunner:
         if self._replicas is None or self._average_over is not None or not trains:
             return wrapper
         if id(wrapper) not in self._ddp:
+            own = [name for name, p in wrapper.named_parameters() if is_routed(p)]  # each replica's own experts
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(wrapper, own)
             self._ddp[id(wrapper)] = DistributedDataParallel(
                 wrapper,
                 process_group=self._replicas,
@@ -304,7 +307,7 @@ class _Opaque(nn.Module):
 
 def average_gradients(parameters: Iterable[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Average this step's gradients over the replicas, as DDP would: one flat all-reduce per dtype."""
-    grads = [p.grad for p in parameters if p.grad is not None]
+    grads = [p.grad for p in parameters if p.grad is not None and not is_routed(p)]
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for grad in grads:
         by_dtype.setdefault(grad.dtype, []).append(grad)

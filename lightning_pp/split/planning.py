@@ -24,6 +24,7 @@ from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import Balance, PipelineOptions
 from lightning_pp.layout.schedule import check_microbatches
 from lightning_pp.memory.materialize import has_meta_tensors, on_meta
+from lightning_pp.split.experts import route_experts
 from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
@@ -53,6 +54,8 @@ def learn_placement(
     the tracer that makes each batch signature's pieces. The placement holds the layers' qualified path (see
     ``resolve_layers``): every later user of the path reads it there."""
     layers, balance = resolve_layers(module, options.layers), options.balance
+    if options.expert_parallel_size > 1:
+        route_experts(module, options.expert_parallel_size)
     if layers != options.layers:
         rank_zero_info(resolution_note(module, options.layers, layers))
     first = split_batch(args[0], n_microbatches)[0]

@@ -37,6 +37,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
+from lightning_pp.split.experts import ROUTED_OP, call_routed
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
@@ -369,7 +370,7 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
             bindings.append((slots, attr, prefix + name))
         else:  # a number forward made into a tensor (see _OnMeta)
             slots[attr] = tensor.to(device)
-    for sub in piece.modules():
+    for sub in list(piece.modules()):
         graph = getattr(sub, "graph", None)
         if isinstance(graph, fx.Graph):
             for node in list(graph.nodes):
@@ -380,6 +381,10 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
                     continue
                 node.args = map_aggregate(node.args, lambda v: _device(v, device))
                 node.kwargs = map_aggregate(node.kwargs, lambda v: _device(v, device))
+                if node.target is torch.ops.aten.histc.default and device.type in _NO_INTEGER_HISTC:
+                    _count_in_float(graph, node)
+                elif node.target is ROUTED_OP:
+                    call_routed(sub, node, view)
             if isinstance(sub, fx.GraphModule):
                 sub.recompile()
     return (piece, bindings) if bound else piece
@@ -465,6 +470,22 @@ def _holds(module: nn.Module, name: str) -> bool:
     except AttributeError:
         return False
     return True
+
+
+_NO_INTEGER_HISTC = ("cpu", "mps")
+
+
+def _count_in_float(graph: fx.Graph, histc: fx.Node) -> None:
+    """Counts in float what the trace recorded counting in integers.
+
+    Code that branches on its device records, on meta, the branch of an accelerator: transformers' MoE experts
+    (``grouped_mm``) and load-balancing loss count tokens per expert with ``torch.histc`` of ``.int()`` ids
+    there and of ``.float()`` ids on the CPU, which has no integer histogram. The same counts, as the CPU
+    branch computes them.
+    """
+    with graph.inserting_before(histc):
+        ids = graph.call_function(torch.ops.aten._to_copy.default, (histc.args[0],), {"dtype": torch.float32})
+    histc.args = (ids, *histc.args[1:])
 
 
 def _device(value: Any, device: torch.device) -> Any:

@@ -1,0 +1,183 @@
+"""Experts sharded over the replicas of a stage (``expert_parallel_size``), tokens dispatched by all-to-all.
+
+The experts module is transformers' (``@use_experts_implementation``: Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss,
+DeepSeek-V3): ``forward(hidden (T, H), top_k_index (T, k), top_k_weights (T, k))`` over parameters whose first
+dimension is the expert. Each rank of a stage's replicas holds ``num_experts / E`` of them as a ``Shard(0)``
+DTensor over the replicas' mesh, so initialisation, ``init_weights``, checkpoints and clipping see the
+one-process tensor (PP outside EP, as torchtitan). A forward sends each (token, expert) pair to the rank holding
+the expert, runs transformers' own experts arithmetic there on the local experts, and sends the results back;
+the all-to-all's backward returns the gradients the same way.
+
+Each rank's experts receive the tokens of every replica, so their gradients sum over the replicas where DDP
+averages the rest: a factor ``1 / E`` on the experts' gradients keeps the two alike (and any loss weighting
+across replicas with them).
+
+A traced model runs aten graphs, not the modules: while tracing, the experts call a custom op (an opaque node
+with a fake kernel); each rank's pieces then call :class:`_Routed` in its place, on the adopted tensors.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.nn.functional import all_to_all_single
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.split.stage import get_path
+
+
+@torch.library.custom_op("lightning_pp::routed_experts", mutates_args=())
+def _routed_op(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: list[torch.Tensor], path: str
+) -> torch.Tensor:
+    raise RuntimeError(f"lightning_pp::routed_experts ({path}) runs only in a trace; its pieces call _Routed")
+
+
+@_routed_op.register_fake
+def _(hidden, top_k_index, top_k_weights, weights, path):  # type: ignore[no-untyped-def]
+    return torch.empty_like(hidden)
+
+
+def is_experts(module: nn.Module) -> bool:
+    """transformers' experts modules (``@use_experts_implementation`` sets ``_is_expert_parallel``)."""
+    return hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int)
+
+
+def route_experts(module: nn.Module, size: int) -> list[str]:
+    """Every experts module of ``module`` dispatches its tokens over ``size`` ranks once its parameters are
+    sharded (:func:`shard_experts`); before that (the placement's forward) it runs as it did. Returns their names.
+    The same on every rank, before any collective."""
+    found = {name: m for name, m in module.named_modules() if is_experts(m)}
+    if not found:
+        raise PipelineConfigError(
+            f"expert_parallel_size={size}, but {type(module).__name__} holds no experts module transformers'"
+            " @use_experts_implementation makes (forward(hidden, top_k_index, top_k_weights), parameters"
+            " [num_experts, ...]). Use expert_parallel_size=1 (the default) for a dense model."
+        )
+    for name, experts in found.items():
+        n = experts.num_experts
+        wrong = [f"{p}{list(t.shape)}" for p, t in experts.named_parameters() if "." in p or t.shape[:1] != (n,)]
+        if n % size or wrong:
+            raise PipelineConfigError(
+                f"expert_parallel_size={size} cannot shard {name} ({type(experts).__name__}): it has {n} experts"
+                + (f" and parameters not led by the expert dimension ({', '.join(wrong)})" if wrong else "")
+                + f". Choose an expert_parallel_size that divides {n}, or 1."
+            )
+        experts.forward = types.MethodType(_forward, experts)  # type: ignore[method-assign]
+        experts._routed_path = name
+    return list(found)
+
+
+def shard_experts(module: nn.Module, mesh: Any) -> int:
+    """The experts parameters ``module`` holds as ``Shard(0)`` DTensors over ``mesh`` (meta ones stay meta, to
+    be drawn whole by the initialisers); returns how many modules."""
+    count = 0
+    for experts in module.modules():
+        if not hasattr(experts, "_routed_path"):
+            continue
+        for name, p in list(experts.named_parameters(recurse=False)):
+            if not isinstance(p, DTensor):
+                piece = distribute_tensor(p.detach(), mesh, [Shard(0)], src_data_rank=None)
+                experts._parameters[name] = nn.Parameter(piece, requires_grad=p.requires_grad)
+        count += 1
+    return count
+
+
+def is_routed(p: torch.Tensor) -> bool:
+    """A parameter of experts sharded over the replicas (no other DTensor lives on their mesh under DDP): DDP
+    does not average it, each rank holding its own."""
+    return isinstance(p, DTensor) and p.device_mesh.mesh_dim_names == ("data_parallel",)
+
+
+def _forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
+    weights = [p for _, p in self.named_parameters(recurse=False)]
+    if hidden.is_meta or isinstance(hidden, FakeTensor):
+        return _routed_op(hidden, top_k_index, top_k_weights, weights, self._routed_path)
+    if not isinstance(weights[0], DTensor):  # not sharded yet: the placement's forward on the CPU
+        return type(self).forward(self, hidden, top_k_index, top_k_weights)
+    return routed(self, hidden, top_k_index, top_k_weights, weights)
+
+
+class _Local:
+    """The experts module as transformers' experts functions read it, holding this rank's experts only."""
+
+    def __init__(self, experts: nn.Module, weights: dict[str, torch.Tensor], n_local: int) -> None:
+        self.__dict__.update(weights, _experts=experts, num_experts=n_local)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._experts, name)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, factor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.factor, None
+
+
+def routed(
+    experts: nn.Module,
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    weights: list[torch.Tensor],
+) -> torch.Tensor:
+    """The experts' output for this rank's tokens, each (token, expert) pair computed on the rank holding it."""
+    mesh = weights[0].device_mesh
+    group, size = mesh.get_group(), mesh.size()
+    names = [n for n, _ in experts.named_parameters(recurse=False)]
+    local = {n: _ScaleGrad.apply(w.to_local(), 1.0 / size) if w.requires_grad else w.to_local()
+             for n, w in zip(names, weights)}  # fmt: skip
+    n_local = experts.num_experts // size
+    tokens, k = top_k_index.shape
+    flat = top_k_index.reshape(-1)
+    owner = torch.div(flat, n_local, rounding_mode="floor")
+    order = torch.argsort(owner, stable=True)
+    send = torch.bincount(owner, minlength=size)
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    send_sizes, recv_sizes = send.tolist(), recv.tolist()
+    ids = (flat % n_local)[order]
+    their_ids = ids.new_empty(sum(recv_sizes))
+    dist.all_to_all_single(their_ids, ids, recv_sizes, send_sizes, group=group)
+    rows = hidden[torch.div(order, k, rounding_mode="floor")]
+    theirs = all_to_all_single(rows.new_empty(sum(recv_sizes), rows.shape[-1]), rows, recv_sizes, send_sizes, group)
+    ones = theirs.new_ones(theirs.shape[0], 1)
+    out = type(experts).forward(_Local(experts, local, n_local), theirs, their_ids.unsqueeze(-1), ones)
+    back = all_to_all_single(out.new_empty(rows.shape[0], out.shape[-1]), out, send_sizes, recv_sizes, group)
+    pairs = torch.zeros_like(back).index_copy(0, order, back)
+    weighted = pairs.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(pairs.dtype)
+    return weighted.sum(dim=1).to(hidden.dtype)
+
+
+class _Routed(nn.Module):
+    """What a traced piece calls where the trace recorded the experts op: :func:`routed` on the tensors the piece
+    adopted, with the rank's experts module for everything else (its config, activation, layout flags)."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.__dict__["experts"] = experts  # not a child: its tensors are the piece's, by their own names
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: list,
+                path: str) -> torch.Tensor:  # fmt: skip
+        return routed(self.experts, hidden, top_k_index, top_k_weights, weights)
+
+
+def call_routed(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
+    """``node`` (the traced experts op) calls :class:`_Routed` on the rank's experts module at the op's path."""
+    name = f"_routed_{len(owner._modules)}"
+    owner.add_module(name, _Routed(get_path(view, node.args[4])))
+    node.op, node.target = "call_module", name
+
+
+ROUTED_OP = torch.ops.lightning_pp.routed_experts.default
