@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads are counted)
 from models import (  # noqa: E402
     HFGPT2,
+    MOE,
     BatchNormGPT,
     DelegatingGPT,
     FrozenGPT,
@@ -40,7 +41,6 @@ from models import (  # noqa: E402
     ItemGPT,
     ListGPT,
     LoraGPT,
-    MOE,
     LoraLlama,
     NoSkipGPT,
     SelfShardedGPT,
@@ -473,8 +473,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "local_param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()),
         "meta_params": sum(p.is_meta for p in model.parameters()),
-        "expert_bytes": [sum(f(p).numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
-                         for f in (local_tensor, lambda p: p)],  # fmt: skip
+        "expert_bytes": [
+            sum(f(p).numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
+            for f in (local_tensor, lambda p: p)
+        ],  # fmt: skip
         "whole_bytes": whole_bytes,
         "peak_growth": usage.peak_growth,
         "read_first_batch": usage.read_first_batch,

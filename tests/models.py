@@ -536,20 +536,23 @@ def _moe_config(family: str, n_layers: int, **extra: object):
     import transformers
 
     shape = dict(vocab_size=32, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=16, use_cache=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)  # fmt: skip
+                 num_key_value_heads=2, max_position_embeddings=16, use_cache=False, bos_token_id=0,
+                 eos_token_id=0, pad_token_id=0)  # fmt: skip
+    layer_types = ["sliding_attention", "full_attention"] * (n_layers // 2)
     experts = {
         "mixtral": ("MixtralConfig", dict(intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)),
         "qwen2_moe": ("Qwen2MoeConfig", dict(intermediate_size=32, moe_intermediate_size=16,
-                      shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),  # fmt: skip
+                      shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
         "qwen3_moe": ("Qwen3MoeConfig", dict(intermediate_size=32, moe_intermediate_size=16, num_experts=4,
-                      num_experts_per_tok=2, head_dim=8)),  # fmt: skip
+                      num_experts_per_tok=2, head_dim=8)),
         "olmoe": ("OlmoeConfig", dict(intermediate_size=16, num_experts=4, num_experts_per_tok=2)),
         "gpt_oss": ("GptOssConfig", dict(intermediate_size=16, num_local_experts=4, num_experts_per_tok=2,
-                    head_dim=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (n_layers // 2))),  # fmt: skip
+                    head_dim=8, sliding_window=8, layer_types=layer_types)),
         "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4,
-                        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1, first_k_dense_replace=1,
-                        q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)),  # fmt: skip
-    }
+                        num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+                        first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8)),
+    }  # fmt: skip
     cls, own = experts[family]
     return getattr(transformers, cls)(**shape, **own, **extra)
 

@@ -24,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch.distributed.nn.functional import all_to_all_single
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_pp.errors import PipelineConfigError
