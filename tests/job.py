@@ -37,6 +37,8 @@ from models import (  # noqa: E402
     HFGPT2Logits,
     HFGPT2Twice,
     HFLlama,
+    HFMoERouter,
+    HFMoERouterMasked,
     InitGPT,
     ItemGPT,
     ListGPT,
@@ -85,6 +87,8 @@ MODELS = {
     "lora_llama": LoraLlama,
     "lora_gpt": LoraGPT,
     **MOE,
+    "router": HFMoERouter,
+    "router_mask": HFMoERouterMasked,
 }
 
 

@@ -573,3 +573,43 @@ class HFMoE(HFLlama):
 
 MOE = {family: type(f"HFMoE_{family}", (HFMoE,), {"family": family})
        for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")}  # fmt: skip
+
+
+class HFMoERouter(HFMoE):
+    """Qwen2-MoE (shared experts) trained with its load-balancing loss (``output_router_logits=True``), as a
+    fine-tune writes it: the step adds ``coef * out.aux_loss`` to the language-model loss itself and logs the aux
+    loss and the share of the last layer's routing that went to expert 0; ``mask=True`` passes an attention mask
+    (ones where the targets are not -100)."""
+
+    family = "qwen2_moe"
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **kwargs: object) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import AutoModelForCausalLM
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = _moe_config(self.family, n_layers, output_router_logits=True, router_aux_loss_coef=0.1)
+        self.model = AutoModelForCausalLM.from_config(config)
+        self.mask = False
+
+    def _loss(self, batch: dict, log: bool = False) -> torch.Tensor:
+        tokens, targets = batch["tokens"], batch["targets"]
+        kwargs = {"attention_mask": (targets != -100).long()} if self.mask else {}
+        out = self.model(input_ids=tokens, **kwargs)
+        lm = F.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+        if log:
+            self.log("train_aux", out.aux_loss)
+            chosen = out.router_logits[-1].topk(2, dim=-1).indices
+            self.log("train_expert0", (chosen == 0).float().mean())
+        return lm + self.model.config.router_aux_loss_coef * out.aux_loss
+
+    def training_step(self, batch, batch_idx):
+        loss = self._loss(batch, log=True)
+        self.log("train_loss", loss)
+        return loss
+
+
+class HFMoERouterMasked(HFMoERouter):
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.mask = True

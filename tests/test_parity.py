@@ -55,7 +55,7 @@ SCENARIOS = {
 
 PIPELINE_ONLY = (
     "schedule", "devices", "m", "params", "layers", "balance", "activation_checkpointing", "pp", "data_parallel",
-    "fsdp_reshard", "tp", "weighted",
+    "fsdp_reshard", "tp", "weighted", "ep",
 )  # fmt: skip
 
 

@@ -1,0 +1,88 @@
+"""Mixture-of-experts models from transformers at their defaults under ``split="trace"``, their load-balancing
+loss, and experts sharded over a stage's replicas (``expert_parallel_size``), each against one process fed the same
+micro-batches (a load-balancing loss does not add up over micro-batches: the reference computes it per
+micro-batch, as the pipeline does)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ok, run_job
+from models import MOE as MOE_MODELS
+from test_frozen import _micro
+from test_parity import common
+from test_tied import assert_state_equal, combined
+
+LOSS_TOL, PARAM_TOL = 2e-4, 1e-5
+MOE = dict(split="trace", layers="model.model.layers", n_layers=4, n_val=8)
+
+
+def _losses(rows: list[dict], key: str = "train_loss") -> list[float]:
+    return [r[key] for r in rows if key in r]
+
+
+def _close(got: list[float], expected: list[float]) -> None:
+    assert len(got) == len(expected) > 0 and max(abs(a - b) for a, b in zip(got, expected)) <= LOSS_TOL, (got, expected)
+
+
+@pytest.mark.parametrize(
+    "family,schedule",
+    [("mixtral", "1f1b"), ("qwen3_moe", "zbv"), ("olmoe", "interleaved_1f1b"), ("gpt_oss", "1f1b")],
+)
+def test_hf_moe_models_at_their_defaults_train_as_one_process(family, schedule, tmp_path, reference):
+    # transformers picks the grouped_mm experts, whose token count branches on the device: the trace on meta
+    # records the accelerator's integer histogram, which the CPU cannot count
+    cfg = dict(MOE, model=family, schedule=schedule, devices=2, m=4, batch=8, n_train=24)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    assert_state_equal(job.state(), reference(**_micro(cfg))["state"], PARAM_TOL)
+    _close(_losses(job.rank(0)["logged"]), _losses(reference(**common(cfg))["logged"]))
+
+
+@pytest.mark.parametrize("model,pad", [("router", False), ("router_mask", True)], ids=["no-mask", "mask"])
+def test_router_loss_is_per_microbatch_and_its_statistics_reach_every_rank(model, pad, tmp_path, reference):
+    # Qwen2-MoE (shared experts), output_router_logits=True, the step adding 0.1 x aux_loss; with padded
+    # sequences and their attention mask, or with no mask (the histogram branch)
+    cfg = dict(MOE, model=model, schedule="1f1b", devices=2, m=2, batch=8, n_train=24, pad=pad)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    micro = reference(**_micro(cfg))
+    assert_state_equal(job.state(), micro["state"], PARAM_TOL)
+    for key in ("train_loss", "train_aux", "train_expert0"):
+        per_micro = _losses(micro["train"], key)  # the pipeline's step logs the mean over its micro-batches
+        means = [sum(per_micro[i : i + 2]) / 2 for i in range(0, len(per_micro), 2)]
+        _close(_losses(job.rank(0)["train"], key), means)
+        assert _losses(job.rank(1)["train"], key) == _losses(job.rank(0)["train"], key)  # every rank saw them
+    whole = _losses(reference(**common(cfg))["logged"])  # the loss of whole batches differs: not additive
+    assert max(abs(a - b) for a, b in zip(_losses(job.rank(0)["logged"]), whole)) > LOSS_TOL
+
+
+def test_experts_sharded_over_replicas_train_as_one_process_and_checkpoint_in_its_layout(tmp_path, reference):
+    # 2 replicas x 2 ranks, 2 stages each (ZBV: the split backward), each rank holding 2 of every layer's 4
+    # experts, built on meta and read from a saved Mixtral (each rank its own experts); SGD, so that the
+    # all-to-all's other summation order (1e-9 here) is not magnified by Adam
+    MOE_MODELS["mixtral"](n_layers=4).model.save_pretrained(tmp_path / "mixtral", max_shard_size="60KB")
+    cfg = dict(MOE, model="mixtral", schedule="zbv", devices=4, pp=2, ep=2, m=4, batch=8, n_train=32,
+               optimizer="sgd", lr=0.05, state_dict_type="sharded", build="init_module",
+               pretrained=str(tmp_path / "mixtral"))  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=400))
+    ref = reference(**combined(cfg))
+    for rank in range(4):
+        local, whole = job.rank(rank)["expert_bytes"]
+        assert local * 2 == whole > 0, (rank, local, whole)
+    seen = [_losses(job.rank(rank)["logged"]) for rank in (0, 2)]
+    _close([sum(pair) / 2 for pair in zip(*seen)], _losses(ref["logged"]))
+
+    # the sharded directory written under expert parallelism holds the one-process tensors
+    full = tmp_path / "full.ckpt"
+    proc = subprocess.run([sys.executable, "-m", "lightning_pp.consolidate", str(job.out / "final.ckpt"), str(full)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert_state_equal(torch.load(full, weights_only=False)["state_dict"], ref["state"], PARAM_TOL)
+
+    # and resumes under another layout: one pipeline of 2 ranks, no expert parallelism, 1F1B
+    more = dict(cfg, devices=2, ep=1, schedule="1f1b", m=2, batch=16, max_epochs=2, replicas_order=True)
+    other = ok(run_job({**more, "strategy": "pipeline", "resume": str(job.out / "final.ckpt")}, tmp_path / "other"))
+    one = reference(**{**common(more), "state_dict_type": "full", "resume": str(full)})
+    _close(_losses(other.rank(0)["logged"])[-2:], _losses(one["logged"])[-2:])
