@@ -8,11 +8,12 @@ import pytest
 import torch
 from conftest import run_job
 from job import process_running
-from models import TinyGPT
+from models import MOE, TinyGPT
 
 from lightning_pp import PipelineConfigError, PipelineStrategy
 from lightning_pp.layout.mesh import make_layout
 from lightning_pp.runtime.twobw import check_optimizers, look_ahead
+from lightning_pp.split.experts import route_experts
 from lightning_pp.split.planning import check_module, check_training_setup
 
 
@@ -44,6 +45,10 @@ class _Unsized(torch.utils.data.IterableDataset):
         (dict(schedule="pipedream_2bw", data_parallel="fsdp"), PipelineConfigError, r"'2bw' with data_parallel='fsdp'"),
         (dict(schedule="2bw", split="trace"), PipelineConfigError, r"schedule='2bw' with split='trace' is not"),
         (dict(schedule="2bw", activation_checkpointing=True), PipelineConfigError, r"with activation_checkpointing"),
+        (dict(expert_parallel_size=0), PipelineConfigError, r"expert_parallel_size=0 must be a positive integer"),
+        (dict(expert_parallel_size=2, data_parallel="fsdp"), PipelineConfigError, r"with data_parallel='fsdp' is"),
+        (dict(expert_parallel_size=2, tensor_parallel_size=2), PipelineConfigError, r"with tensor_parallel_size=2"),
+        (dict(expert_parallel_size=2, schedule="2bw"), PipelineConfigError, r"expert_parallel_size=2 with schedule"),
     ],
 )
 def test_constructor_rejects_bad_arguments(kwargs, error, match):
@@ -82,6 +87,15 @@ def test_checks_before_the_first_batch():
         make_layout(None, 4, 0, tensor_parallel_size=3)
     with pytest.raises(PipelineConfigError, match=r"pipeline_parallel_size=4 x tensor_parallel_size=2 does not divide"):
         make_layout(4, 4, 0, tensor_parallel_size=2)
+    with pytest.raises(PipelineConfigError, match=r"expert_parallel_size=4 with 2 pipeline replica\(s\) \(8 ranks / 4"):
+        make_layout(4, 8, 0, expert_parallel_size=4)
+    assert make_layout(4, 8, 0, expert_parallel_size=2).dp == 2
+    with pytest.raises(PipelineConfigError, match=r"expert_parallel_size=2, but TinyGPT holds no experts module"):
+        route_experts(model, 2)
+    mixtral = MOE["mixtral"](n_layers=1)  # 4 experts
+    with pytest.raises(PipelineConfigError, match=r"cannot shard model.model.layers.0.mlp.experts .* 4 experts\."):
+        route_experts(mixtral, 3)
+    assert route_experts(mixtral, 2) == ["model.model.layers.0.mlp.experts"]
     layout = make_layout(2, 8, 5, tensor_parallel_size=2)  # (replica, stage, shard) = (1, 0, 1)
     assert (layout.dp, layout.replica, layout.pp_rank, layout.tp_rank, layout.last_stage_rank) == (2, 1, 0, 1, 7)
     assert layout.pipeline_ranks(1) == [5, 7] and not layout.writes_full_checkpoint

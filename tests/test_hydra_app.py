@@ -51,6 +51,7 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["model=gpt2_tiny"],
         ["model=llama_tiny"],
         ["model=llama_tiny", "peft=lora", "peft.r=4"],
+        ["model=qwen3_moe_tiny", "trainer.devices=4", "strategy.expert_parallel_size=2"],
         ["trainer=gpu"],
         ["trainer=cpu_fp16"],
         ["trainer=slurm", "hydra/launcher=slurm"],
@@ -72,12 +73,12 @@ def test_every_config_group_composes(overrides):
     assert set(cfg.strategy) - {"_target_"} == {
         "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
         "activation_checkpointing", "state_dict_type", "split", "init_fn", "timeout", "data_parallel", "fsdp_reshard",
-        "tensor_parallel_size", "microbatch_weight", "init_weights", "init_weights_keys", "async_save", "init_adapter",
-        "save_frozen",
+        "tensor_parallel_size", "expert_parallel_size", "microbatch_weight", "init_weights", "init_weights_keys",
+        "async_save", "init_adapter", "save_frozen",
     }  # fmt: skip
     if "model=gpt2_tiny" in overrides:  # the model's config sets how the strategy splits it
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.transformer.h")
-    if "model=llama_tiny" in overrides:
+    if "model=llama_tiny" in overrides or "model=qwen3_moe_tiny" in overrides:
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.model.layers")
     if "peft=lora" in overrides:  # the model is given peft.LoraConfig's arguments; no adapters by default
         lora = instantiate(cfg.model.peft)
