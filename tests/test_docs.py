@@ -55,6 +55,7 @@ def test_block_runs(where: str, code: str, tmp_path: Path) -> None:
 
 def test_the_examples_a_page_shows_are_the_files() -> None:
     """A page that shows an example file shows it whole, so running the page's block runs the example."""
-    shown = {"examples/finetune_hf.py": "docs/pretrained.md", "examples/finetune_lora.py": "docs/adapters.md"}
+    shown = {"examples/finetune_hf.py": "docs/pretrained.md", "examples/finetune_lora.py": "docs/adapters.md",
+             "examples/train_moe.py": "docs/models.md"}  # fmt: skip
     for example, page in shown.items():
         assert (ROOT / example).read_text() in (ROOT / page).read_text(), f"{page} no longer shows {example} as it is"

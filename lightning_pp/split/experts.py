@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_pp.errors import PipelineConfigError
@@ -151,10 +151,10 @@ def routed(
     their_ids = ids.new_empty(sum(recv_sizes))
     dist.all_to_all_single(their_ids, ids, recv_sizes, send_sizes, group=group)
     rows = hidden[torch.div(order, k, rounding_mode="floor")]
-    theirs = all_to_all_single(rows.new_empty(sum(recv_sizes), rows.shape[-1]), rows, recv_sizes, send_sizes, group)
+    theirs = all_to_all_single_autograd(rows, recv_sizes, send_sizes, group)  # torchtitan's dispatch
     ones = theirs.new_ones(theirs.shape[0], 1)
     out = type(experts).forward(_Local(experts, local, n_local), theirs, their_ids.unsqueeze(-1), ones)
-    back = all_to_all_single(out.new_empty(rows.shape[0], out.shape[-1]), out, send_sizes, recv_sizes, group)
+    back = all_to_all_single_autograd(out, send_sizes, recv_sizes, group)
     pairs = torch.zeros_like(back).index_copy(0, order, back)
     weighted = pairs.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(pairs.dtype)
     return weighted.sum(dim=1).to(hidden.dtype)
