@@ -532,7 +532,12 @@ def renamed_key(name: str) -> str:
 
 def _moe_config(family: str, n_layers: int, **extra: object):
     """A tiny config of one of transformers' MoE causal LMs (no download): 4 experts, top-2, at the library's
-    defaults otherwise (its experts implementation included)."""
+    defaults otherwise (its experts implementation included).
+
+    DeepSeek-V3's attention (MLA) expands its latent into a key and a value for every attention head, so its
+    config must say as many key/value heads: with fewer, SDPA repeats the keys to more heads than the queries
+    have, which only a call without an attention mask (``enable_gqa``) happens to survive, not a trace.
+    """
     import transformers
 
     shape = dict(vocab_size=32, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4,
@@ -551,10 +556,10 @@ def _moe_config(family: str, n_layers: int, **extra: object):
         "deepseek_v3": ("DeepseekV3Config", dict(intermediate_size=32, moe_intermediate_size=16, n_routed_experts=4,
                         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-                        qk_nope_head_dim=4, v_head_dim=8)),
+                        qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)),
     }  # fmt: skip
     cls, own = experts[family]
-    return getattr(transformers, cls)(**shape, **own, **extra)
+    return getattr(transformers, cls)(**{**shape, **own, **extra})
 
 
 class HFMoE(HFLlama):
@@ -562,17 +567,27 @@ class HFMoE(HFLlama):
     ``self.model(input_ids=..., labels=...)``."""
 
     family = "mixtral"
+    experts: str | None = None  # the config's experts_implementation, when not the library's default
 
     def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
         L.LightningModule.__init__(self)
         from transformers import AutoModelForCausalLM
 
         self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
-        self.model = AutoModelForCausalLM.from_config(_moe_config(self.family, n_layers))
+        extra = {"experts_implementation": self.experts} if self.experts else {}
+        self.model = AutoModelForCausalLM.from_config(_moe_config(self.family, n_layers, **extra))
+
+
+class HFMoEEager(HFMoE):
+    """Mixtral with ``experts_implementation="eager"``: a Python loop over the experts hit (``nonzero``), which
+    the tracer cannot export (it runs eagerly once its experts are split over replicas)."""
+
+    experts = "eager"
 
 
 MOE = {family: type(f"HFMoE_{family}", (HFMoE,), {"family": family})
        for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")}  # fmt: skip
+MOE["mixtral_eager"] = HFMoEEager
 
 
 class HFMoERouter(HFMoE):

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
 import torch
-from conftest import run_job
+from conftest import child_env, run_job
 from job import process_running
 from models import MOE, TinyGPT
 
@@ -181,3 +184,39 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path, s
     # the other rank gave up within the timeout and the naming (heartbeats, or the store's silence), then the
     # stopped rank was killed as a launcher kills the rest of a failed job
     assert float((tmp_path / "job" / "stopped").read_text()) < 4 + 12
+
+
+SLOW_BEAT = """
+    import time
+    from datetime import timedelta
+    import torch.distributed as dist
+    from lightning_pp.lifecycle import heartbeat
+
+    class Slow:  # each round trip takes 0.3 s (a loaded or distant store host), in C++ with the GIL released
+        def __init__(self, store):
+            self.store = store
+
+        def add(self, key, n):
+            try:
+                self.store.wait(["never"], timedelta(seconds=0.3))
+            except dist.DistStoreError:
+                pass
+            return self.store.add(key, n)
+
+    heartbeat._INTERVAL_S = (0.01, 0.01)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5))
+    heartbeat.start_heartbeat(Slow(store), 0, timedelta(seconds=1))
+    time.sleep(0.1)
+    raise RuntimeError("the job's own error")
+"""
+
+
+def test_an_exit_during_a_heartbeat_store_call_keeps_the_jobs_exit_status():
+    # a daemon thread coming back from a store call while the interpreter shuts down aborted the process
+    # (SIGABRT, "terminate called without an active exception") instead of exiting 1 with the error
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(SLOW_BEAT)],
+        env=child_env(), capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "the job's own error" in proc.stderr and "terminate called" not in proc.stderr

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFGPT2, HFGPT2Cache, NanoGPT
+from models import HFGPT2, HFGPT2Cache, HFMoEEager, NanoGPT
 from test_parity import LOSS_TOL, assert_same_logs, common
 from test_tied import assert_state_equal, combined
 from torch import nn
@@ -154,6 +154,9 @@ def test_a_model_that_cannot_be_split_names_the_model_and_the_alternatives():
         model, "model.transformer.h", 2, None, call._replace(kwargs={"input_ids": call.kwargs["input_ids"]}), True
     )
     assert model.model.config.use_cache is True
+    call = ModelCall("model", (), {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+    with pytest.raises(PipelineConfigError, match=r"experts_implementation='eager'.*'grouped_mm'.*'batched_mm'"):
+        traced_placement(HFMoEEager(), "model.model.layers", 2, None, call, True)
 
 
 def chain(model: nn.Module, layers: str, n_stages: int, call: ModelCall):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 _BEATS = "lightning_pp/beat"
 _INTERVAL_S = (0.2, 5.0)  # a tenth of the timeout, within these bounds
 _STILL_BEATS = 3  # a counter that has not moved over this many intervals has stopped
+_STOP_WAIT_S = 5.0  # at exit, for a store call in flight to return
 
 
 class _Heartbeat:
@@ -31,8 +32,21 @@ class _Heartbeat:
         self.interval = min(max(timeout.total_seconds() / 10, _INTERVAL_S[0]), _INTERVAL_S[1])
         self._stop = threading.Event()
         store.add(f"{_BEATS}/{rank}", 1)
-        threading.Thread(target=self._beat, name="lightning_pp-heartbeat", daemon=True).start()
-        atexit.register(self._stop.set)
+        self._thread = threading.Thread(target=self._beat, name="lightning_pp-heartbeat", daemon=True)
+        self._thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """The counter stops, and a store call in flight returns first, before the interpreter shuts down.
+
+        The interpreter ends a daemon thread that takes the GIL back once shutdown has begun, and one coming
+        back from a store call (C++ that released the GIL) then aborts the process (``terminate called without
+        an active exception``, SIGABRT: exit status 134 instead of the job's own 1 or 0). A store call is
+        short, but its host may be slow (a loaded machine) or gone (rank 0 exiting first); one to a stopped
+        host never returns, so the wait is bounded: that call stays blocked through the exit.
+        """
+        self._stop.set()
+        self._thread.join(_STOP_WAIT_S)
 
     def _beat(self) -> None:
         while not self._stop.wait(self.interval):

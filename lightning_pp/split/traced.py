@@ -284,15 +284,37 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
             cause = inner if str(inner).strip() else cause  # type: ignore[assignment]
             inner = inner.__cause__
         reason = (str(cause).strip().splitlines() or [""])[0]
+        fix = _eager_experts_fix(skeleton)
         raise PipelineConfigError(
             f"split='trace' cannot trace and split {name} with torch.distributed.pipelining ({type(cause).__name__}:"
-            f" {reason}). Use {_ALTERNATIVES}."
+            f" {reason}). {fix + ' or use' if fix else 'Use'} {_ALTERNATIVES}."
         ) from error
     finally:
         hook.remove()
         for point in split_points:  # pipeline() wraps the split modules' forward
             skeleton.get_submodule(point).__dict__.pop("forward", None)
     return trace
+
+
+def _eager_experts_fix(model: nn.Module) -> str:
+    """What to change when the model's MoE experts run transformers' ``experts_implementation="eager"``: a
+    Python loop over the experts that tokens were routed to (``nonzero``), whose length depends on the data, so
+    no trace records it. transformers' own implementations of the same arithmetic, ``"grouped_mm"`` (its
+    default) and ``"batched_mm"``, have no such loop and trace."""
+    eager = [
+        name
+        for name, module in model.named_modules()
+        if hasattr(module, "_is_expert_parallel")  # set by transformers' @use_experts_implementation
+        and getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
+    ]
+    if not eager:
+        return ""
+    return (
+        f"Its experts ({eager[0]}{f' and {len(eager) - 1} more' if len(eager) > 1 else ''}) run"
+        " experts_implementation='eager', a loop over the experts each batch routes tokens to, which no trace"
+        " records: build or load the model with experts_implementation='grouped_mm' (transformers' default) or"
+        " 'batched_mm' (`from_pretrained(..., experts_implementation='grouped_mm')`), which trace,"
+    )
 
 
 def _wiring(graph: fx.Graph) -> tuple[list[list[tuple[str, Any]]], list[list[_Key]], list[_Key]]:
