@@ -532,7 +532,7 @@ def renamed_key(name: str) -> str:
 
 def _moe_config(family: str, n_layers: int, **extra: object):
     """A tiny config of one of transformers' MoE causal LMs (no download): 4 experts, top-2, at the library's
-    defaults otherwise (its experts implementation included).
+    defaults otherwise (its experts implementation included); ``extra`` overrides any of these.
 
     DeepSeek-V3's attention (MLA) expands its latent into a key and a value for every attention head, so its
     config must say as many key/value heads: with fewer, SDPA repeats the keys to more heads than the queries

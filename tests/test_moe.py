@@ -30,8 +30,13 @@ def _close(got: list[float], expected: list[float]) -> None:
 
 @pytest.mark.parametrize(
     "family,schedule",
-    [("mixtral", "1f1b"), ("qwen3_moe", "zbv"), ("olmoe", "interleaved_1f1b"), ("gpt_oss", "1f1b"),
-     ("deepseek_v3", "1f1b")],  # fmt: skip
+    [
+        ("mixtral", "1f1b"),
+        ("qwen3_moe", "zbv"),
+        ("olmoe", "interleaved_1f1b"),
+        ("gpt_oss", "1f1b"),
+        ("deepseek_v3", "1f1b"),
+    ],  # fmt: skip
 )
 def test_hf_moe_models_at_their_defaults_train_as_one_process(family, schedule, tmp_path, reference):
     # transformers picks the grouped_mm experts, whose token count branches on the device: the trace on meta

@@ -3,6 +3,7 @@ called ``from_pretrained`` (or loaded the same state dict) on the same batches."
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -10,14 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFGPT2, HFLlama, TinyGPT, renamed_key
+from models import HFGPT2, MOE, HFLlama, TinyGPT, _moe_config, renamed_key
+from test_frozen import _micro
+from test_moe import _close, _losses
 from test_parity import assert_same_logs, common
 from test_tied import assert_state_equal, combined
 from torch import nn
 
 from lightning_pp import empty_weights, materialize
+from lightning_pp.checkpoints import pretrained as pretrained_module
 from lightning_pp.checkpoints.formats import load_sharded
-from lightning_pp.checkpoints.pretrained import load_weights, match_weights, open_pretrained
+from lightning_pp.checkpoints.pretrained import load_weights, match_weights, open_pretrained, read_keys
 from lightning_pp.errors import PipelineConfigError
 
 LOSS_TOL, PARAM_TOL = 2e-4, 1e-5
@@ -36,7 +40,10 @@ def saved(tmp_path_factory) -> dict[str, Path]:
     tiny = TinyGPT(optimizer="sgd").state_dict()
     torch.save(tiny, root / "tiny.pt")
     torch.save({"model": {renamed_key(k): v for k, v in tiny.items()}}, root / "renamed.pt")
-    return {"root": root, "llama": root / "llama", "gpt2": root / "gpt2", "tiny": root / "tiny.pt"}
+    for family in ("mixtral", "qwen3_moe"):  # one tensor per expert, as save_pretrained and the Hub hold them
+        MOE[family](n_layers=4).model.save_pretrained(root / family, max_shard_size="60KB")
+    paths = {"root": root, "llama": root / "llama", "gpt2": root / "gpt2", "tiny": root / "tiny.pt"}
+    return {**paths, "mixtral": root / "mixtral", "qwen3_moe": root / "qwen3_moe"}
 
 
 def _compare(job_cfg: dict, ref_cfg: dict, tmp_path: Path, reference, export: bool = False) -> None:
@@ -162,3 +169,74 @@ def test_names_match_under_a_prefix_of_any_depth(saved):
     outer.encoder.backbone = TinyGPT(optimizer="sgd")
     weights = match_weights(open_pretrained(saved["tiny"]), outer)
     assert weights.prefix == "-encoder.backbone." and len(weights.keys) == len(outer.state_dict())
+
+
+@pytest.mark.parametrize(
+    "family,wrong,shapes",
+    [("mixtral", dict(intermediate_size=16), ("[4, 64, 32]", "w1", "[4, 32, 32]")),
+     ("qwen3_moe", dict(moe_intermediate_size=8), ("[4, 32, 32]", "gate_proj", "[4, 16, 32]"))],
+)  # fmt: skip
+def test_per_expert_checkpoints_are_fused_as_transformers_loads_them(saved, family, wrong, shapes, monkeypatch):
+    # the checkpoint holds experts.0.gate_proj.weight ... (Mixtral: block_sparse_moe.experts.0.w1.weight), the
+    # module the fused experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]: matched through
+    # transformers' own conversion list, on meta, and built by its operations
+    path = saved[family]
+    assert len(list(path.glob("*.safetensors"))) > 2
+    with empty_weights():
+        model = MOE[family](n_layers=4)
+    pretrained = open_pretrained(path, model)
+    fused = [k for k in pretrained.converted if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert len(fused) == 8 and not any(".experts.0." in k for k in pretrained.shapes)
+    weights = match_weights(pretrained, model)
+    assert set(weights.keys) == set(model.state_dict()) and not weights.left  # every tensor from the checkpoint
+    materialize(model, loaded=frozenset(weights.keys))
+    assert load_weights(pretrained, weights, model) == sum(t.numel() * 4 for t in model.state_dict().values())
+    from transformers import AutoModelForCausalLM
+
+    expected = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    state = model.state_dict()
+    assert set(state) == {f"model.{k}" for k in expected}
+    assert all(torch.equal(state[f"model.{k}"], v) for k, v in expected.items())
+    # one fused tensor is built from its own layer's experts, and nothing else is read
+    read, plain = [], pretrained_module._read_plain
+    monkeypatch.setattr(pretrained_module, "_read_plain", lambda p, wanted: (read.extend(wanted), plain(p, wanted)))
+    target = "model.layers.1.mlp.experts.gate_up_proj"
+    one = torch.empty(pretrained.shapes[target][0])
+    read_keys(pretrained, {target: one})
+    assert torch.equal(one, expected[target])
+    assert sorted(read) == sorted(pretrained.converted[target].keys) and len(read) == 8
+    assert all(".layers.1." in k and ".experts." in k for k in read)
+    # a model of another configuration: refused at the fused tensor's shape, its sources named
+    other = nn.Module()
+    with empty_weights():
+        other.model = AutoModelForCausalLM.from_config(_moe_config(family, 4, **wrong))
+    checkpoint, source, module = (re.escape(s) for s in shapes)
+    with pytest.raises(
+        PipelineConfigError,
+        match=rf"shapes differ.*experts\.gate_up_proj {checkpoint} in the checkpoint \(built by transformers'"
+        rf" conversion from model\.layers\.\d\.\w+\.experts\.0\.{source}\.weight and 7 more\), {module} in the module",
+    ):
+        match_weights(open_pretrained(path, other), other)
+
+
+def test_hf_qwen3_moe_on_meta_reads_its_per_expert_checkpoint_under_1f1b_and_exports_to_hf(saved, tmp_path, reference):
+    # each rank builds only its own layers' fused experts, from only those layers' per-expert tensors
+    cfg = dict(model="qwen3_moe", split="trace", layers="model.model.layers", n_layers=4, n_val=8, schedule="1f1b",
+               devices=2, m=2, batch=8, n_train=16, build="init_module",
+               pretrained=str(saved["qwen3_moe"]))  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    assert "8 built or renamed from 48 checkpoint tensors" in job.output
+    assert_state_equal(job.state(), reference(**_micro(cfg))["state"], PARAM_TOL)
+    ref = reference(**common(cfg))["logged"]
+    for key in ("train_loss", "val_loss"):
+        _close(_losses(job.rank(0)["logged"], key), _losses(ref, key))
+    # exported in the model's own (fused) layout, which from_pretrained loads as it is
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "hf"
+    command = [sys.executable, "-m", "lightning_pp.consolidate", str(tmp_path / "job" / "final.ckpt"), str(out)]
+    run = subprocess.run([*command, "--format", "hf", "--max-shard-size", "60KB"], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    exported, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    assert_state_equal({f"model.{k}": v for k, v in exported.state_dict().items()}, job.state(), 0.0)

@@ -15,6 +15,8 @@ under any of its names (HF leaves ``lm_head.weight`` out when it is the embeddin
 ``get_peft_model`` held at an attribute, or adapters injected) the base's tensors are matched by the base
 model's own names (``...q_proj.base_layer.weight`` as ``...q_proj.weight``, peft's wrapper left off,
 ``checkpoints.adapters``); the adapters' tensors are left to peft's initialisation or ``init_adapter``.
+Opened for a module that holds a ``transformers`` model, the keys are those ``from_pretrained`` would load: renamed,
+and per-expert tensors fused, by the model's own conversion list (``checkpoints.hf_conversion``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 
 from lightning_pp.checkpoints.adapters import adapter_sites, site_of
 from lightning_pp.checkpoints.formats import META_FILE
+from lightning_pp.checkpoints.hf_conversion import Conversion, convert_keys, read_converted
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor, shard_like
 from lightning_pp.layout.options import KeyFn
@@ -51,6 +54,8 @@ class Pretrained:
     format: Format
     shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]]
     strip: str = ""  # a prefix every key of the file carries that is not part of the weights' names
+    # keys of ``shapes`` that transformers builds at load from other keys of the file (fused experts, renamings)
+    converted: Mapping[str, Conversion] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -63,9 +68,14 @@ class WeightMap:
     adapters: frozenset[str] = field(default_factory=frozenset)  # peft adapters' parameters: not in the checkpoint
 
 
-def open_pretrained(path: str | os.PathLike) -> Pretrained:
-    """The checkpoint at ``path``, its format recognised from what is there; no tensor is read."""
-    path = Path(path).expanduser()
+def open_pretrained(path: str | os.PathLike, module: nn.Module | None = None) -> Pretrained:
+    """The checkpoint at ``path``, its format recognised from what is there; no tensor is read. With ``module``
+    (the whole module, meta or real), its keys as transformers converts them for the model ``module`` holds."""
+    pretrained = _open(Path(path).expanduser())
+    return pretrained if module is None else convert_keys(pretrained, module)
+
+
+def _open(path: Path) -> Pretrained:
     if path.is_dir() and any(path.glob("*.safetensors")):
         return Pretrained(path, "hf", _safetensors_shapes(sorted(path.glob("*.safetensors"))))
     if path.is_file() and path.suffix == ".safetensors":
@@ -134,21 +144,32 @@ def match_weights(
     used.update(found.values())
     unused = sorted(k for k in pretrained.shapes if k not in used)
     if unused:
+        converted = sum(k in pretrained.converted for k in unused)
+        named = f"; {converted} of them named as transformers converts them at load" if converted else ""
         raise PipelineConfigError(
             f"init_weights={str(pretrained.path)!r} holds {len(unused)} tensors that no tensor of"
-            f" {type(module).__name__} takes ({_how_names_matched(prefix, peft)}): {_few(unused)}. Is it the"
+            f" {type(module).__name__} takes ({_how_names_matched(prefix, peft)}): {_few(unused)}{named}. Is it the"
             " checkpoint of this model and configuration? Map its names with PipelineStrategy(init_weights_keys=fn)."
         )
     wrong = {n: (pretrained.shapes[k][0], tuple(state[n].shape)) for n, k in found.items() if n in state}
     wrong = {n: s for n, s in wrong.items() if s[0] != s[1]}
     if wrong:
-        shown = [f"{n} {list(a)} in the checkpoint, {list(b)} in the module" for n, (a, b) in list(wrong.items())[:5]]
+        shown = [
+            f"{n} {list(a)} in the checkpoint"
+            + (f" ({_converted(pretrained.converted[found[n]])})" if found[n] in pretrained.converted else "")
+            + f", {list(b)} in the module"
+            for n, (a, b) in list(wrong.items())[:5]
+        ]
         raise PipelineConfigError(
             f"init_weights={str(pretrained.path)!r}: shapes differ for {len(wrong)} tensors: {'; '.join(shown)}."
             " Build the module with the checkpoint's configuration."
         )
     casts = {(pretrained.shapes[k][1], state[n].dtype) for n, k in found.items() if n in state}
     message = f"init_weights: {len(used)} tensors from {pretrained.path} ({_how_names_matched(prefix, peft)})"
+    built = {id(c): c for k, c in pretrained.converted.items() if k in used}.values()
+    if built:
+        sources = sum(len(c.keys) for c in built)
+        message += f"; {len(built)} built or renamed from {sources} checkpoint tensors as transformers loads them"
     if left:
         message += f"; {len(left)} parameters left to their initialiser"
     if adapters:
@@ -176,7 +197,18 @@ def load_weights(pretrained: Pretrained, weights: WeightMap, module: nn.Module) 
 
 
 def read_keys(pretrained: Pretrained, wanted: Mapping[str, torch.Tensor]) -> None:
-    """Copy these checkpoint keys into their tensors (a DTensor's piece of each), reading nothing else."""
+    """Copy these checkpoint keys into their tensors (a DTensor's piece of each), reading nothing else; a converted
+    key is built from the file's tensors it comes from."""
+    plain = {k: t for k, t in wanted.items() if k not in pretrained.converted}
+    if plain:
+        _read_plain(pretrained, plain)
+    if len(plain) < len(wanted):
+        converted = {k: t for k, t in wanted.items() if k in pretrained.converted}
+        with torch.no_grad():
+            read_converted(converted, pretrained.converted, lambda sources: _read_plain(pretrained, sources))
+
+
+def _read_plain(pretrained: Pretrained, wanted: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         if pretrained.format == "torch":
             state = _torch_state(pretrained.path)
@@ -299,6 +331,13 @@ def _how_names_matched(prefix: str, peft: bool = False) -> str:
         return f"names matched as they are{steps}"
     p = prefix[1:]
     return f"names matched with {p!r} {'left off' if prefix[0] == '-' else 'put in front'}{steps}"
+
+
+def _converted(conversion: Conversion) -> str:
+    keys = conversion.keys
+    if conversion.transform is None:
+        return f"renamed by transformers from {keys[0]}"
+    return f"built by transformers' conversion from {keys[0]} and {len(keys) - 1} more"
 
 
 def _few(items: Mapping[str, str] | list[str]) -> str:

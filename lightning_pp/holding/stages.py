@@ -125,7 +125,7 @@ class Holding:
             return
         adapter = self.options.init_adapter
         if self.options.init_weights is not None and self.pretrained is None:
-            pretrained = open_pretrained(self.options.init_weights)
+            pretrained = open_pretrained(self.options.init_weights, module)
             source = "peft's initialisation" if adapter is None else f"init_adapter={str(adapter)!r}"
             self.pretrained = pretrained, match_weights(pretrained, module, self.options.init_weights_keys, source)
         if adapter is not None and self.adapter is None:
