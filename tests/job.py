@@ -44,6 +44,7 @@ from models import (  # noqa: E402
     ListGPT,
     LoraGPT,
     LoraLlama,
+    LoraMoE,
     NoSkipGPT,
     SelfShardedGPT,
     SequentialGPT,
@@ -89,6 +90,7 @@ MODELS = {
     **MOE,
     "router": HFMoERouter,
     "router_mask": HFMoERouterMasked,
+    "lora_moe": LoraMoE,
 }
 
 

@@ -628,3 +628,17 @@ class HFMoERouterMasked(HFMoERouter):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         self.mask = True
+
+
+class LoraMoE(HFMoE):
+    """Qwen3-MoE wrapped by ``peft.get_peft_model``: LoRA on ``q_proj``/``v_proj``, the experts frozen (layers at
+    ``model.base_model.model.model.layers``)."""
+
+    family = "qwen3_moe"
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        super().__init__(n_layers, lr, optimizer)
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        self.model = get_peft_model(self.model, config)

@@ -92,3 +92,35 @@ def test_experts_sharded_over_replicas_train_as_one_process_and_checkpoint_in_it
     other = ok(run_job({**more, "strategy": "pipeline", "resume": str(job.out / "final.ckpt")}, tmp_path / "other"))
     one = reference(**{**common(more), "state_dict_type": "full", "resume": str(full)})
     _close(_losses(other.rank(0)["logged"])[-2:], _losses(one["logged"])[-2:])
+
+
+def test_lora_on_a_moe_model_read_from_its_hub_layout_exports_merged_without_its_base(tmp_path, reference):
+    # Qwen3-MoE saved as the Hub holds it (one tensor per expert), built on meta and read by init_weights, LoRA on
+    # the attention under ZBV; the checkpoint leaves the frozen base (experts included) out, and the merged export
+    # reads it back through transformers' conversion
+    from transformers import AutoModelForCausalLM
+
+    MOE_MODELS["qwen3_moe"](n_layers=4).model.save_pretrained(tmp_path / "qwen3_moe", max_shard_size="60KB")
+    cfg = dict(MOE, model="lora_moe", layers="model.base_model.model.model.layers", schedule="zbv", devices=2, m=4,
+               batch=8, n_train=16, build="init_module", pretrained=str(tmp_path / "qwen3_moe"))  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    ref = reference(**_micro(cfg))
+    saved = job.state()
+    assert saved and all(".lora_" in k for k in saved)  # the base left out
+    assert_state_equal(saved, {k: v for k, v in ref["state"].items() if k in saved}, PARAM_TOL)
+    out = tmp_path / "merged"
+    proc = subprocess.run([sys.executable, "-m", "lightning_pp.consolidate", str(job.out / "final.ckpt"), str(out),
+                           "--format", "hf"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    merged, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    one = MOE_MODELS["qwen3_moe"](n_layers=4)
+    one.model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3_moe")
+    from peft import LoraConfig, get_peft_model
+
+    peft = get_peft_model(
+        one.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    )
+    peft.load_state_dict({k[len("model.") :]: v for k, v in saved.items()}, strict=False)
+    want = peft.merge_and_unload().state_dict()
+    assert_state_equal(merged.state_dict(), want, 1e-6)

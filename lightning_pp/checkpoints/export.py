@@ -33,6 +33,7 @@ from lightning_pp.checkpoints.export_peft import (
 )
 from lightning_pp.checkpoints.formats import META_FILE, is_sharded
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, check_base
+from lightning_pp.checkpoints.hf_conversion import model_of_directory
 from lightning_pp.checkpoints.pretrained import Pretrained, WeightMap, open_pretrained, read_keys
 from lightning_pp.checkpoints.restore import placeholders
 from lightning_pp.errors import PipelineConfigError
@@ -146,7 +147,8 @@ def _frozen_base(
     if not record:
         return {}, None
     left_out = check_base(record, record["init_weights"], src)
-    return {n: export["keys"][n] for n in left_out}, open_pretrained(record["init_weights"])
+    path = record["init_weights"]
+    return {n: export["keys"][n] for n in left_out}, open_pretrained(path, model_of_directory(path))
 
 
 def _merges(state: Mapping[str, torch.Tensor], sites: list[AdapterSite], adapter: str) -> dict[str, LoraMerge]:

@@ -32,6 +32,7 @@ import dataclasses
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -103,6 +104,23 @@ def hf_model(module: nn.Module) -> nn.Module | None:
     if modeling is None:
         return None
     return next((m for _, m in module.named_modules() if isinstance(m, modeling.PreTrainedModel)), None)
+
+
+def model_of_directory(path: Any) -> nn.Module | None:
+    """The transformers model an HF directory's ``config.json`` names, on meta: what ``convert_keys`` needs where
+    no module is at hand (``consolidate`` of a checkpoint that left its frozen base to ``init_weights``); None for
+    other checkpoints."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return None
+    import transformers
+
+    hf_config = transformers.AutoConfig.from_pretrained(path)
+    architecture = getattr(transformers, (hf_config.architectures or [""])[0], None)
+    if architecture is None:
+        return None
+    with torch.device("meta"):
+        return architecture(hf_config)
 
 
 def convert_keys(pretrained: Any, module: nn.Module) -> Any:
