@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 
 import lightning as L
 import torch
 import torch.distributed as dist
 from common import proc_kib
-from lightning.pytorch.callbacks import Callback
+from run_lora import Record
 from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineStrategy
@@ -37,17 +36,6 @@ class LM(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
-class Record(Callback):
-    def __init__(self) -> None:
-        self.ends: list[float] = []
-
-    def on_train_batch_end(self, trainer, *args) -> None:
-        self.ends.append(time.perf_counter())
-
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.hwm = proc_kib("VmHWM:") * 1024
 
 
 if __name__ == "__main__":

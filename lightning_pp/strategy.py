@@ -36,7 +36,7 @@ from lightning_pp.holding.sharding import check_no_user_sharding, mixed_precisio
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout import options
 from lightning_pp.layout.dtensors import has_dtensors
-from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, make_groups, make_layout
+from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, layout_of, make_groups
 from lightning_pp.layout.schedule import check_loaders, default_microbatches
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.lifecycle.rendezvous import connect
@@ -88,6 +88,7 @@ class PipelineStrategy(ParallelStrategy):
     gradients and optimizer state with FSDP2 (``"fsdp"``). With ``tensor_parallel_size`` the module's
     ``configure_model`` finds ``self.device_mesh`` (dims data, pipeline and tensor parallel) and applies its
     tensor-parallel plan on meta, as under Lightning's ``ModelParallelStrategy``; the strategy does the rest.
+    ``expert_parallel_size`` splits each stage's experts (transformers' MoE models) over its replicas.
     """
 
     strategy_name = "pipeline"
@@ -174,9 +175,7 @@ class PipelineStrategy(ParallelStrategy):
     @property
     def layout(self) -> Layout:
         """This rank's place in the (replica, stage, tensor-parallel shard) grid."""
-        o = self.options
-        return make_layout(o.pipeline_parallel_size, self.world_size, self.global_rank, o.schedule, o.stages_per_rank,
-                           o.tensor_parallel_size, o.expert_parallel_size)  # fmt: skip
+        return layout_of(self.options, self.world_size, self.global_rank)
 
     @property
     def n_stages(self) -> int:

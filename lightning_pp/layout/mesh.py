@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.options import PipelineOptions
 from lightning_pp.layout.schedule import rank_of_stage, stages_of_rank
 
 
@@ -132,6 +133,12 @@ def make_layout(
             f" {expert_parallel_size} replicas remain."
         )
     return Layout(world_size, pp, rank, schedule, stages_per_rank, tp)
+
+
+def layout_of(o: PipelineOptions, world_size: int, rank: int) -> Layout:
+    """The layout the strategy's arguments give ``rank``."""
+    return make_layout(o.pipeline_parallel_size, world_size, rank, o.schedule, o.stages_per_rank,
+                       o.tensor_parallel_size, o.expert_parallel_size)  # fmt: skip
 
 
 MESH_DIMS = ("data_parallel", "pipeline_parallel", "tensor_parallel")

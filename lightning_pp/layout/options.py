@@ -165,29 +165,32 @@ def _check_combinations(o: PipelineOptions) -> None:
             " user's modules, whose FSDP units would reshard after each of them. Use fsdp_reshard='step' with"
             " split='trace', or split='prune'."
         )
+    common = {
+        "data_parallel='fsdp'": o.data_parallel == "fsdp",
+        f"tensor_parallel_size={o.tensor_parallel_size}": o.tensor_parallel_size > 1,
+    }
     if o.expert_parallel_size > 1:
-        unsupported = {
-            "data_parallel='fsdp'": o.data_parallel == "fsdp",
-            f"tensor_parallel_size={o.tensor_parallel_size}": o.tensor_parallel_size > 1,
-            "schedule='2bw'": o.asynchronous,
-        }
-        for what, given in unsupported.items():
-            if given:
-                raise PipelineConfigError(
-                    f"expert_parallel_size={o.expert_parallel_size} with {what} is not supported yet: the experts are"
-                    " sharded over the replicas, which DDP (data_parallel='ddp') averages the other weights over. Use"
-                    f" expert_parallel_size=1 with {what}."
-                )
+        _refuse_with(
+            f"expert_parallel_size={o.expert_parallel_size}",
+            {**common, "schedule='2bw'": o.asynchronous},
+            "the experts are sharded over the replicas, which DDP (data_parallel='ddp') averages the other weights"
+            " over. Use expert_parallel_size=1 with it",
+        )
     if o.asynchronous:
-        unsupported = {
-            "data_parallel='fsdp'": o.data_parallel == "fsdp",
-            f"tensor_parallel_size={o.tensor_parallel_size}": o.tensor_parallel_size > 1,
-            "split='trace'": o.split == "trace",
-            "activation_checkpointing=True": o.activation_checkpointing,
-        }
-        for what, given in unsupported.items():
-            if given:
-                raise PipelineConfigError(
-                    f"schedule='2bw' with {what} is not supported yet: the weight versions are bound on the user's"
-                    " own modules, one copy per replica. Use schedule='1f1b' with it, or 2BW without it."
-                )
+        _refuse_with(
+            "schedule='2bw'",
+            {
+                **common,
+                "split='trace'": o.split == "trace",
+                "activation_checkpointing=True": o.activation_checkpointing,
+            },
+            "the weight versions are bound on the user's own modules, one copy per replica. Use schedule='1f1b' with"
+            " it, or 2BW without it",
+        )
+
+
+def _refuse_with(argument: str, others: dict[str, bool], why: str) -> None:
+    """``argument`` with the first of ``others`` given: not supported yet, ``why``."""
+    for what, given in others.items():
+        if given:
+            raise PipelineConfigError(f"{argument} with {what} is not supported yet: {why}.")
