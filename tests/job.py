@@ -30,6 +30,7 @@ from models import (  # noqa: E402
     HFGPT2,
     MOE,
     BatchNormGPT,
+    BlockCompiledGPT,
     DelegatingGPT,
     FrozenGPT,
     FrozenTensorParallelGPT,
@@ -91,6 +92,7 @@ MODELS = {
     "router": HFMoERouter,
     "router_mask": HFMoERouterMasked,
     "lora_moe": LoraMoE,
+    "block_compiled": BlockCompiledGPT,
 }
 
 
@@ -210,6 +212,13 @@ def page_in_kernels(cfg: dict[str, Any]) -> None:
     tiny._loss({"tokens": tokens, "targets": tokens}).backward()
     optimizer = tiny.configure_optimizers()
     (optimizer["optimizer"] if isinstance(optimizer, dict) else optimizer).step()
+
+
+def _dynamo_counters() -> dict[str, dict[str, int]]:
+    """Frames dynamo compiled in this process, and its graphs (compiled blocks)."""
+    from torch._dynamo.utils import counters
+
+    return {k: dict(v) for k, v in counters.items() if k in ("frames", "stats")}
 
 
 def _module_kwargs(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -479,6 +488,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
         "local_param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()),
         "meta_params": sum(p.is_meta for p in model.parameters()),
+        "dynamo": _dynamo_counters(),
         "expert_bytes": [
             sum(f(p).numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
             for f in (local_tensor, lambda p: p)

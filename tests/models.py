@@ -642,3 +642,14 @@ class LoraMoE(HFMoE):
 
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
         self.model = get_peft_model(self.model, config)
+
+
+class BlockCompiledGPT(TinyGPT):
+    """Each block compiled in place by the user (``block.compile()``, as torchtitan and Lightning's guide do), with
+    dynamo's ``eager`` backend: dynamo's frames, guards and recompiles without inductor's compile time."""
+
+    def make_net(self) -> Net:
+        net = super().make_net()
+        for block in net.blocks.values():
+            block.compile(backend="eager")
+        return net

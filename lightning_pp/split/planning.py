@@ -40,6 +40,7 @@ from lightning_pp.split.stage import (
 from lightning_pp.split.traced import Tracer, traced_placement
 
 
+@torch.compiler.set_stance("force_eager")
 def learn_placement(
     module: LightningModule,
     options: PipelineOptions,
@@ -52,7 +53,11 @@ def learn_placement(
 ) -> tuple[Placement, Tracer | None]:
     """Where each layer and part lives, the same on every rank; logged on rank 0. Under ``split="trace"`` also
     the tracer that makes each batch signature's pieces. The placement holds the layers' qualified path (see
-    ``resolve_layers``): every later user of the path reads it there."""
+    ``resolve_layers``): every later user of the path reads it there.
+
+    Blocks the user compiled run eagerly here (``force_eager``): the placement's forward watches every argument
+    (``trace_forward``), which made dynamo guard on each layer and recompile per layer, spending its recompile
+    limit before training (then eager for the rest of the run, one warning)."""
     layers, balance = resolve_layers(module, options.layers), options.balance
     if options.expert_parallel_size > 1:
         route_experts(module, options.expert_parallel_size)
