@@ -117,6 +117,7 @@ class PipelineStrategy(ParallelStrategy):
         async_save: bool = False,
         init_adapter: Optional[Union[str, PathLike]] = None,
         save_frozen: bool = False,
+        compile: Union[bool, dict[str, Any]] = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -124,7 +125,7 @@ class PipelineStrategy(ParallelStrategy):
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
             expert_parallel_size, microbatch_weight, init_fn, init_weights, init_weights_keys, timeout,
-            process_group_backend, async_save, init_adapter, save_frozen,
+            process_group_backend, async_save, init_adapter, save_frozen, compile,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend
@@ -137,9 +138,8 @@ class PipelineStrategy(ParallelStrategy):
         self._saves = ShardedSaves(background=self.options.async_save)
         self._step_grads: StepGradients = []
         self._pending: Optional[PendingRestore] = None
-        self._replace_random_samplers = False
         self._groups = Groups(pp=None, dp=None)
-        self._fitting = False
+        self._replace_random_samplers = self._fitting = False
         # set by PipelineMonitor: time the next training step's compute and waits on this rank
         self.record_next_step = False
 

@@ -62,6 +62,7 @@ from models import (  # noqa: E402
 import lightning_pp  # noqa: E402,F401
 from lightning_pp.layout.dtensors import local_tensor  # noqa: E402
 from lightning_pp.runtime.weighting import label_tokens  # noqa: E402
+from lightning_pp.split.stage import find_layers  # noqa: E402
 
 KEYS = {"renamed": renamed_key}  # init_weights_keys by name
 MODELS = {
@@ -423,6 +424,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             init_adapter=cfg.get("init_adapter"),
             async_save=cfg.get("async_save", False),
             save_frozen=cfg.get("save_frozen", False),
+            compile=cfg.get("compile", False),
         )
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()
@@ -466,6 +468,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         num_sanity_val_steps=cfg.get("sanity", 2),
     )
     model = build(cfg, None if cfg["strategy"] == "single" else trainer)
+    if cfg["strategy"] == "single" and cfg.get("compile"):  # one process compiled as compile=True compiles
+        for block in find_layers(model, cfg.get("blocks", "net.blocks")).values():
+            block.compile(**({} if cfg["compile"] is True else cfg["compile"]))
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if trainer.global_rank == 0 and not any(p.is_meta for p in model.parameters()):
         torch.save(model.state_dict(), out / "initial.pt")

@@ -9,7 +9,6 @@ re-pointed at the Parameters that now exist -> the checkpoint being resumed, if 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from lightning_pp.checkpoints.formats import (
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, FrozenBase, gather_left_out, left_out_weights, read_base
 from lightning_pp.checkpoints.pretrained import Pretrained, WeightMap, load_weights, match_weights, open_pretrained
 from lightning_pp.checkpoints.restore import PendingRestore, restore_stage
+from lightning_pp.holding.compiled import Hook, compile_layers, each_of
 from lightning_pp.holding.sharding import repoint_optimizers, shard_stages
 from lightning_pp.layout.options import PipelineOptions
 from lightning_pp.memory.materialize import materialize
@@ -100,13 +100,15 @@ class Holding:
             if self.sharded:
                 made = shard_stages(
                     local, views, placement, self.shard_over, self.options, device, self.mp_policy, self.loaded,
-                    tracer, self._recompute,
+                    tracer, self._per_layer,
                 )  # fmt: skip
             else:
                 if self.experts_over is not None:
                     shard_experts(local, self.experts_over)
                 materialize(local, device, init_fn=self.options.init_fn, loaded=self.loaded)
-                made = tracer.stages(views, device, self._recompute) if tracer else pruned_stages(views, placement)
+                made = tracer.stages(views, device, self._per_layer) if tracer else pruned_stages(views, placement)
+            if tracer is None and self.options.compile is not None:  # traced pieces: their layers, in _per_layer
+                compile_layers(find_layers(local, placement.layers_path), self.options.compile)
             self._load_pretrained(local, pending)
             self._load_adapter(local, pending)
             self._made = (views, made)
@@ -173,10 +175,14 @@ class Holding:
         rank_zero_info(f"Rank 0 read {read / 2**20:.3f} MiB of its own stages' adapter tensors from init_adapter.")
 
     @property
-    def _recompute(self) -> Callable[[Mapping[str, nn.Module]], None] | None:
-        if not self.options.activation_checkpointing:
-            return None
-        return functools.partial(checkpoint_layers, once=self.options.split_backward)
+    def _per_layer(self) -> Hook | None:
+        """What is done to each traced piece's layers: activation checkpointing, then compile."""
+        hooks: list[Hook] = []
+        if self.options.activation_checkpointing:
+            hooks.append(functools.partial(checkpoint_layers, once=self.options.split_backward))
+        if self.options.compile is not None:
+            hooks.append(functools.partial(compile_layers, options=self.options.compile))
+        return each_of(hooks)
 
     def model_state(
         self, module: nn.Module, optimizers: list[Any], writer: bool, group: dist.ProcessGroup | None

@@ -8,7 +8,7 @@ its fields and never normalise or check them again: a schedule name here is cano
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal, Optional, Union
@@ -66,6 +66,7 @@ class PipelineOptions:
     async_save: bool = False
     init_adapter: Optional[Union[str, os.PathLike]] = None
     save_frozen: bool = False
+    compile: Union[bool, Mapping[str, Any], None] = False
 
     def __post_init__(self) -> None:
         schedule = normalize_schedule(self.schedule)
@@ -88,6 +89,7 @@ class PipelineOptions:
             "activation_checkpointing": bool(self.activation_checkpointing),
             "tensor_parallel_size": int(self.tensor_parallel_size),
             "expert_parallel_size": int(self.expert_parallel_size),
+            "compile": _compile_options(self.compile),
             "timeout": timedelta(seconds=timeout)
             if isinstance(timeout, (int, float))
             else timeout or default_pg_timeout,
@@ -176,6 +178,13 @@ def _check_combinations(o: PipelineOptions) -> None:
             "the experts are sharded over the replicas, which DDP (data_parallel='ddp') averages the other weights"
             " over. Use expert_parallel_size=1 with it",
         )
+    if o.compile is not None and o.split_backward:
+        raise PipelineConfigError(
+            f"compile=True with schedule={o.schedule!r}: the zero-bubble and V schedules split each backward into an"
+            " input and a weight half, which compiled graphs do not support yet (pytorch#161904; torchtitan turns"
+            " them off with compile). Use schedule='gpipe', '1f1b' or 'interleaved_1f1b' with compile=True, or this"
+            " schedule without it."
+        )
     if o.asynchronous:
         _refuse_with(
             "schedule='2bw'",
@@ -183,10 +192,29 @@ def _check_combinations(o: PipelineOptions) -> None:
                 **common,
                 "split='trace'": o.split == "trace",
                 "activation_checkpointing=True": o.activation_checkpointing,
+                "compile=True": o.compile is not None,
             },
             "the weight versions are bound on the user's own modules, one copy per replica. Use schedule='1f1b' with"
             " it, or 2BW without it",
         )
+
+
+_COMPILE_OPTIONS = ("fullgraph", "dynamic", "backend", "mode", "options")
+
+
+def _compile_options(given: bool | Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """``compile``: None (off), or the keyword arguments ``torch.compile`` gets for each layer."""
+    if given is None or given is False:
+        return None
+    if given is True:
+        return {}
+    unknown = sorted(set(given) - set(_COMPILE_OPTIONS))
+    if unknown:
+        raise PipelineConfigError(
+            f"compile={dict(given)!r}: {unknown} are not torch.compile arguments a layer takes; use True, or a dict"
+            f" of {list(_COMPILE_OPTIONS)} (e.g. {{'mode': 'max-autotune-no-cudagraphs'}})."
+        )
+    return dict(given)
 
 
 def _refuse_with(argument: str, others: dict[str, bool], why: str) -> None:

@@ -409,6 +409,8 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
                     call_routed(sub, node, view)
             if isinstance(sub, fx.GraphModule):
                 sub.recompile()
+            elif getattr(sub, "graph_module", None) is not None:  # an InterpreterModule: its code, which dynamo
+                sub.finalize()  # traces (it cannot trace fx's Interpreter), generated again from the edited graph
     return (piece, bindings) if bound else piece
 
 
