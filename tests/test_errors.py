@@ -84,6 +84,20 @@ def test_checks_before_the_first_batch():
     with pytest.raises(PipelineConfigError, match=r"'2bw' needs a train loader with a length, got DataLoader"):
         look_ahead(unsized, "2bw", training=True)
     assert look_ahead(unsized, "1f1b", training=True) is unsized
+    wrapped = TinyGPT(n_layers=4)
+    wrapped.net.blocks = torch.compile(wrapped.net.blocks)
+    with pytest.raises(PipelineConfigError, match=r"torch.compile's wrapper of the layer container.*compile=True"):
+        check_module(wrapped, "net.blocks", None, 2)
+    compiled = TinyGPT(n_layers=4)
+    for target, name in ((compiled.net, "net"), (compiled, "the LightningModule"), (compiled.net.blocks, "net.blocks")):
+        target.compile()
+        with pytest.raises(PipelineConfigError, match=rf"^{name} was compiled as a whole.*compile=True"):
+            check_module(compiled, "net.blocks", None, 2)
+        target._compiled_call_impl = None
+    per_block = TinyGPT(n_layers=4)
+    for block in per_block.net.blocks.values():
+        block.compile()
+    check_module(per_block, "net.blocks", None, 2)  # a user's per-block compile is how it is done
     model.automatic_optimization = False
     with pytest.raises(PipelineConfigError, match=r"manual optimization"):
         check_training_setup(model, "1f1b", 4, make_layout(2, 2, 0))

@@ -117,7 +117,16 @@ def _learn_by_pruning(
 
 def check_module(module: LightningModule, layers: str, balance: Balance, n_stages: int) -> None:
     """What the module's structure allows, checked on every rank before any collective."""
-    n_layers = len(find_layers(module, resolve_layers(module, layers)))
+    path = resolve_layers(module, layers)
+    whole = [n or "the LightningModule" for n, m in module.named_modules() if getattr(m, "_compiled_call_impl", None)
+             and (not n or path == n or path.startswith(n + "."))]  # fmt: skip
+    if whole:
+        raise PipelineConfigError(
+            f"{whole[0]} was compiled as a whole (`.compile()`), which the pipeline never calls as one: each rank"
+            " runs its stages' parts (and that compile would run eagerly, unseen). Remove that call and pass"
+            " PipelineStrategy(compile=True), which compiles each layer of each rank's stages in place."
+        )
+    n_layers = len(find_layers(module, path))
     resolve_balance("uniform" if isinstance(balance, str) else balance, n_layers, n_stages)
 
 

@@ -52,6 +52,13 @@ def find_layers(module: nn.Module, path: str) -> Layers:
         obj = getattr(obj, name)
     if isinstance(obj, _CONTAINERS):
         return obj._modules  # type: ignore[return-value]
+    if isinstance(getattr(obj, "_orig_mod", None), _CONTAINERS):  # torch.compile(container)
+        raise PipelineConfigError(
+            f"layers={path!r} is torch.compile's wrapper of the layer container: a pipeline runs the container's"
+            " layers in pieces, never the container as one. Leave the container as it is and pass"
+            " PipelineStrategy(compile=True), which compiles each layer of each rank's stages (or compile each"
+            " layer yourself: `for layer in container: layer.compile()`)."
+        )
     raise PipelineConfigError(
         f"layers={path!r} is a {type(obj).__name__}, not an nn.ModuleList, nn.Sequential or nn.ModuleDict of the"
         " repeated layers; pass the path of the container whose entries forward runs one after another."
