@@ -62,3 +62,12 @@ def test_compile_true_compiles_a_traced_llama_s_layers(tmp_path, reference):
         dynamo = job.rank(rank)["dynamo"]
         assert dynamo["frames"]["ok"] == dynamo["frames"]["total"] > 0 and dynamo["stats"]["unique_graphs"] > 0, dynamo
     assert_state_equal(job.state(), reference(**_micro(cfg))["state"], PARAM_TOL)
+
+
+def test_a_recompile_after_the_first_step_is_said_once_per_rank_with_its_reason(tmp_path):
+    # 18 samples in batches of 4: the last batch of 2 has new shapes, which the compiled blocks compile again for
+    cfg = dict(model="block_compiled", schedule="1f1b", devices=2, m=2, batch=4, n_train=18, n_val=4, n_layers=4)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    for rank in range(2):
+        said = [line for line in job.output.splitlines() if line.startswith(f"Rank {rank}: after the first training")]
+        assert len(said) == 1 and "1 more graph(s)" in said[0] and "size mismatch" in said[0], said

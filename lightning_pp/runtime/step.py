@@ -27,6 +27,7 @@ from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
 from lightning_pp.lifecycle.failure import failures_shared
 from lightning_pp.memory.allocator import training_step_begins, trim_before_backward
 from lightning_pp.runtime.metrics import MetricTap
+from lightning_pp.runtime.recompiles import RecompileWatch
 from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
 from lightning_pp.runtime.split_backward import exact_split_backward
 from lightning_pp.runtime.telemetry import Event, StepRecorder
@@ -101,6 +102,7 @@ class PipelineRunner:
         self._replicas = replicas if sharded is None else None
         self._sharded = sharded
         self._ddp: dict[int, nn.Module] = {}
+        self._recompiles = RecompileWatch(dist.get_rank() if dist.is_initialized() else 0)
         self._entries = entries
         self._shared = shared  # parameters other stages hold too (see lightning_pp.split.tied)
         self._schedules: OrderedDict[tuple, tuple[_PipelineSchedule, list[StageModule]]] = OrderedDict()
@@ -143,7 +145,9 @@ class PipelineRunner:
         if train:
             training_step_begins()
         with running_stages():
-            return self._run(hook, args, kwargs, n_microbatches, train, record)
+            report = self._run(hook, args, kwargs, n_microbatches, train, record)
+        self._recompiles.step_done(train)
+        return report
 
     def _run(
         self, hook: str, args: tuple, kwargs: dict, n_microbatches: int, train: bool, record: bool
