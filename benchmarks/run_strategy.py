@@ -3,8 +3,8 @@
     run_strategy.py SCHEDULE M STEPS OUT [OPTIONS_JSON]
 
 OPTIONS_JSON may set ``shape`` (a model of ``shapes.py``, the GPT by default), ``balance``, ``vocab`` (a heavier
-head), ``activation_checkpointing``, ``monitor`` (PipelineMonitor on: the measured bubble of each step is written
-too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last). Writes the wall times
+head), ``activation_checkpointing``, ``compile``, ``monitor`` (PipelineMonitor on: the measured bubble of each step is
+written too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last). Writes the wall times
 between consecutive training-batch ends on rank 0 to the JSON file OUT, every rank's minor page faults and system
 CPU seconds at each of them, and every rank's peak resident memory growth during ``fit``.
 """
@@ -49,9 +49,13 @@ class LastTwoSteps(L.Callback):
 
 class BatchEnds(L.Callback):
     def __init__(self) -> None:
+        self.start: float | None = None  # the first training batch's start (its step compiles)
         self.ends: list[float] = []
         self.faults: list[tuple[int, float]] = []
         self.bubbles: list[float] = []
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        self.start = self.start or time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args) -> None:
         self.ends.append(time.perf_counter())
@@ -74,8 +78,9 @@ if __name__ == "__main__":
         callbacks.append(LastTwoSteps(options["timeline"]))
     recompute = options.get("activation_checkpointing", False)
     trainer = pipeline_trainer(
-        schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute
-    )
+        schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute,
+        compile=options.get("compile", False),
+    )  # fmt: skip
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here
     before = proc_kib("VmRSS:")
     trainer.fit(net, loader)
@@ -86,5 +91,5 @@ if __name__ == "__main__":
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             split = list(trainer.strategy.placement.counts)
-            json.dump({"ends": ends.ends, "faults": faults, "bubbles": ends.bubbles, "layers_per_stage": split,
-                       "peak_mib": peaks}, f)  # fmt: skip
+            json.dump({"start": ends.start, "ends": ends.ends, "faults": faults, "bubbles": ends.bubbles,
+                       "layers_per_stage": split, "peak_mib": peaks}, f)  # fmt: skip

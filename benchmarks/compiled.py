@@ -1,0 +1,61 @@
+"""``compile=True`` against eager: step time and the first step's extra time (compiling), 1F1B on 2 ranks.
+
+    python benchmarks/compiled.py [--m 4] [--steps 10] [--rounds 2]
+
+Two models of ``shapes.py``: the design card's GPT (8 blocks, d=256, AdamW) and 8 ``nn.TransformerEncoderLayer``
+(SGD), through ``Trainer(strategy=PipelineStrategy(compile=...))`` (inductor, its default mode), one thread per
+rank as the allocator sets it on 2 cores. Each round runs every (shape, compile) pair, in another order each round;
+step times are medians after the warm-up, the compile time is the first step's time less that median. Writes
+benchmarks/results/compiled.json and prints a Markdown table. Target (issue 40): on the CPU no slower than eager
+beyond 3%; on CUDA (``scripts/gpu_check.sh``) >= 1.2x.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from common import RESULTS, launch, machine, median_spread, step_times
+
+HERE = Path(__file__).parent
+SHAPES = ("gpt", "encoder")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--m", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    runs = [(shape, compiled) for shape in SHAPES for compiled in (False, True)]
+    steps: dict[tuple[str, bool], list[float]] = {run: [] for run in runs}
+    first: dict[tuple[str, bool], list[float]] = {run: [] for run in runs}
+    for round_ in range(args.rounds):
+        for shape, compiled in runs[round_ % len(runs) :] + runs[: round_ % len(runs)]:
+            options = json.dumps({"shape": shape, "compile": compiled})
+            result = launch("run_strategy.py", "1f1b", args.m, args.steps, extra=options)
+            steps[shape, compiled] += step_times(result["ends"])
+            first[shape, compiled].append(result["ends"][0] - result["start"])
+            print(shape, compiled, statistics.median(steps[shape, compiled]), flush=True)
+    rows = []
+    for shape, compiled in runs:
+        step = statistics.median(steps[shape, compiled])
+        rows.append({"shape": shape, "compile": compiled, "step_s": median_spread(steps[shape, compiled]),
+                     "first_step_extra_s": statistics.median(first[shape, compiled]) - step})  # fmt: skip
+    speedup = {s: statistics.median(steps[s, False]) / statistics.median(steps[s, True]) for s in SHAPES}
+    out = {"benchmark": "compiled", "machine": machine(), "rows": rows, "eager_over_compiled": speedup,
+           "config": {"schedule": "1f1b", "ranks": 2, "n_microbatches": args.m, "steps": args.steps,
+                      "rounds": args.rounds}}  # fmt: skip
+    (RESULTS / "compiled.json").write_text(json.dumps(out, indent=1))
+    print("| model | compile | step, s (median) | first step's extra, s | eager / compiled |")
+    print("| --- | --- | --- | --- | --- |")
+    for row in rows:
+        ratio = f"{speedup[row['shape']]:.2f}" if row["compile"] else ""
+        print(f"| {row['shape']} | {row['compile']} | {row['step_s']['median']:.3f} | {row['first_step_extra_s']:.1f}"
+              f" | {ratio} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
