@@ -4,9 +4,10 @@
 
 OPTIONS_JSON may set ``shape`` (a model of ``shapes.py``, the GPT by default), ``balance``, ``vocab`` (a heavier
 head), ``activation_checkpointing``, ``compile``, ``monitor`` (PipelineMonitor on: the measured bubble of each step is
-written too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last). Writes the wall times
-between consecutive training-batch ends on rank 0 to the JSON file OUT, every rank's minor page faults and system
-CPU seconds at each of them, and every rank's peak resident memory growth during ``fit``.
+written too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last). Writes the wall
+times between consecutive training-batch ends on rank 0 (and the first batch's start) to the JSON file OUT, every
+rank's minor page faults and system CPU seconds at each of them, and every rank's peak resident memory growth during
+``fit``.
 """
 
 from __future__ import annotations
