@@ -37,7 +37,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
-from lightning_pp.split.experts import ROUTED_OP, call_routed
+from lightning_pp.split.experts import ROUTED_OP, call_routed, is_experts
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
@@ -304,8 +304,7 @@ def _eager_experts_fix(model: nn.Module) -> str:
     eager = [
         name
         for name, module in model.named_modules()
-        if hasattr(module, "_is_expert_parallel")  # set by transformers' @use_experts_implementation
-        and getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
+        if is_experts(module) and getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
     ]
     if not eager:
         return ""
