@@ -11,6 +11,7 @@ import lightning as L
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 
+from lightning_pp.runtime.recompiles import dynamo_counts
 from lightning_pp.runtime.telemetry import Event, chrome_trace, gantt_png, summarize
 from lightning_pp.split.microbatch import batch_size_of, tokens_in
 from lightning_pp.strategy import PipelineStrategy
@@ -21,10 +22,11 @@ class PipelineMonitor(Callback):
 
     ``pipeline/samples_per_s`` (and ``pipeline/tokens_per_s`` for (batch, sequence) token batches),
     ``pipeline/bubble`` (mean over stages of the time a stage waits on its peers / step time) and
-    ``pipeline/stage{s}_compute_s``. At the end of fit it writes the last step's timeline as
-    ``pipeline_trace.json`` (Chrome/Perfetto) and ``pipeline_schedule.png`` (Gantt chart) into
-    ``dirpath`` (default: the trainer's log directory). Step time is the wall time between
-    consecutive training-batch ends, optimizer step included.
+    ``pipeline/stage{s}_compute_s``; with compiled blocks, ``pipeline/compiled_graphs`` and ``pipeline/eager_frames``
+    (dynamo's graphs, and frames it ran eagerly, summed over ranks since the start: flat after the warm-up). At
+    the end of fit it writes the last step's timeline as ``pipeline_trace.json`` (Chrome/Perfetto) and
+    ``pipeline_schedule.png`` (Gantt chart) into ``dirpath`` (default: the trainer's log directory). Step time is the
+    wall time between consecutive training-batch ends, optimizer step included.
     """
 
     def __init__(self, dirpath: str | Path | None = None) -> None:
@@ -42,10 +44,10 @@ class PipelineMonitor(Callback):
         if not isinstance(trainer.strategy, PipelineStrategy):
             return
         now = time.time()
-        events: list[list[Event]] = [[] for _ in range(trainer.world_size)]
-        dist.all_gather_object(events, trainer.strategy.last_step_events)
+        gathered: list[tuple[list[Event], tuple[int, int]]] = [([], (0, 0))] * trainer.world_size
+        dist.all_gather_object(gathered, (trainer.strategy.last_step_events, dynamo_counts()))
         # one pipeline replica is enough: the stages of replica 0
-        mine = [e for rank_events in events[: trainer.strategy.layout.pp] for e in rank_events]
+        mine = [e for rank_events, _ in gathered[: trainer.strategy.layout.pp] for e in rank_events]
         previous, self._last_end = self._last_end, now
         if not mine or previous is None:
             return
@@ -60,6 +62,9 @@ class PipelineMonitor(Callback):
         values["pipeline/bubble"] = sum(s.wait_s for s in summaries) / len(summaries) / step_s
         for s in summaries:
             values[f"pipeline/stage{s.stage}_compute_s"] = s.compute_s
+        graphs, eager = (sum(counts) for counts in zip(*(counts for _, counts in gathered)))
+        if graphs or eager:  # compiled blocks: flat after the warm-up, or something recompiles (or fell back)
+            values.update({"pipeline/compiled_graphs": graphs, "pipeline/eager_frames": eager})
         for name, value in values.items():
             pl_module.log(name, value, on_step=True, on_epoch=False)
 

@@ -22,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -372,31 +373,35 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     batch = cfg.get("batch", 8)
-    train = loader(cfg.get("n_train", 64), batch, seed=0, pad=cfg.get("pad", False))
-    val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1, pad=cfg.get("pad", False))
+    data = dict(pad=cfg.get("pad", False), vary=cfg.get("vary", False))
+    train = loader(cfg.get("n_train", 64), batch, seed=0, **data)
+    val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1, **data)
+    reload = functools.partial(DataLoader, train.dataset, batch_size=batch, collate_fn=train.collate_fn)
     if cfg.get("reverse_within"):
         # micro-batches of each pipelined batch in reverse, as a schedule that runs backward last-first sums them
         n, full = cfg.get("n_train", 64), cfg["reverse_within"]
         order = [i for start in range(0, n, full) for k in reversed(range(start, min(start + full, n), batch))
                  for i in range(k, min(k + batch, n))]  # fmt: skip
-        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=order)
+        train = reload(sampler=order)
     if cfg.get("replicas_order"):
         # the samples Lightning's DistributedSampler gives pipeline replicas (or DDP), drawn by one process: with
         # the replicas' combined batch each step sees the same samples as all replicas together
         sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=1, rank=0, seed=cfg.get("seed", 0))
-        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
+        train = reload(sampler=sampler)
     if cfg.get("bad_sampler"):
         # shards by global rank: the stages of one pipeline replica would load different batches
         rank, world = int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0))), cfg["devices"]
         sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=world, rank=rank, shuffle=False)
-        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
+        train = reload(sampler=sampler)
     if cfg.get("shuffle"):  # what Lightning gives replicas: a sampler that Lightning tells each epoch
         sampler = torch.utils.data.DistributedSampler(train.dataset, num_replicas=1, rank=0, seed=cfg.get("seed", 0))
-        train = torch.utils.data.DataLoader(train.dataset, batch_size=batch, sampler=sampler)
+        train = reload(sampler=sampler)
     if cfg.get("resumable"):  # Lightning saves its position: a resumed run reads on where the checkpoint was
         from torchdata.stateful_dataloader import StatefulDataLoader
 
-        train = StatefulDataLoader(train.dataset, batch_size=train.batch_size, sampler=train.sampler)
+        train = StatefulDataLoader(
+            train.dataset, batch_size=train.batch_size, sampler=train.sampler, collate_fn=train.collate_fn
+        )
     if cfg["strategy"] == "single":
         strategy: Any = "auto"
         devices = 1

@@ -150,8 +150,18 @@ class Tokens(Dataset):
         return {"tokens": self.tokens[i], "targets": self.targets[i]}
 
 
-def loader(n: int, batch_size: int, seed: int = 0, seq: int = 8, vocab: int = 32, pad: bool = False) -> DataLoader:
-    return DataLoader(Tokens(n, seq, vocab, seed, pad), batch_size=batch_size, shuffle=False)
+def loader(
+    n: int, batch_size: int, seed: int = 0, seq: int = 8, vocab: int = 32, pad: bool = False, vary: bool = False
+) -> DataLoader:
+    """``vary``: each batch cut to its own sequence length (3 to ``seq``), as dynamic padding pads to the longest."""
+    collate = _cut_to_a_length_of_its_own if vary else None
+    return DataLoader(Tokens(n, seq, vocab, seed, pad), batch_size=batch_size, shuffle=False, collate_fn=collate)
+
+
+def _cut_to_a_length_of_its_own(samples: list[dict]) -> dict:
+    batch = torch.utils.data.default_collate(samples)
+    length = 3 + int(batch["tokens"][0].sum()) % (batch["tokens"].shape[1] - 2)
+    return {k: v[:, :length] for k, v in batch.items()}
 
 
 class BatchNormBlock(nn.Module):

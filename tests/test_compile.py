@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 from conftest import ok, run_job
+from models import loader
 from test_frozen import _micro
 from test_parity import common
-from test_tied import assert_state_equal
+from test_tied import assert_state_equal, combined
 
 PARAM_TOL = 1e-5
 EAGER = {"backend": "eager"}
@@ -31,17 +32,19 @@ def test_a_users_per_block_compile_stays_compiled_with_12_layers(tmp_path, refer
 
 
 @pytest.mark.parametrize(
-    "schedule,compile,recompute",
-    [("1f1b", True, False), ("gpipe", EAGER, True), ("interleaved_1f1b", EAGER, False)],
-    ids=["1f1b-inductor", "gpipe-recompute", "interleaved_1f1b"],
-)
-def test_compile_true_compiles_each_held_block_and_trains_as_one_process(schedule, compile, recompute, tmp_path,
-                                                                          reference):  # fmt: skip
-    # 12 blocks; inductor under 1F1B (about 20 s of compile per rank here), dynamo's eager backend for the others
-    # (the same frames, guards and graphs, no code generated)
+    "schedule,compile,recompute,precision",
+    [("1f1b", True, False, "bf16-mixed"), ("gpipe", EAGER, True, "16-mixed-cpu"), ("interleaved_1f1b", EAGER, False,
+                                                                                     "32-true")],
+    ids=["1f1b-inductor-bf16", "gpipe-recompute-fp16", "interleaved_1f1b"],
+)  # fmt: skip
+def test_compile_true_compiles_each_held_block_and_trains_as_one_process(schedule, compile, recompute, precision,
+                                                                          tmp_path, reference):  # fmt: skip
+    # 12 blocks; inductor under 1F1B with bf16 autocast (about 20 s of compile per rank here), dynamo's eager
+    # backend for the others (the same frames, guards and graphs, no code generated), GPipe with fp16 autocast and
+    # a loss scaler
     stages = 2 * (2 if schedule.startswith("interleaved") else 1)
     cfg = dict(schedule=schedule, devices=2, m=stages, batch=2 * stages, n_train=8 * stages, n_val=2 * stages,
-               n_layers=12, compile=compile, activation_checkpointing=recompute)  # fmt: skip
+               n_layers=12, compile=compile, activation_checkpointing=recompute, precision=precision)  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=400))
     assert "recompile_limit" not in job.output
     for rank in range(2):
@@ -71,3 +74,39 @@ def test_a_recompile_after_the_first_step_is_said_once_per_rank_with_its_reason(
     for rank in range(2):
         said = [line for line in job.output.splitlines() if line.startswith(f"Rank {rank}: after the first training")]
         assert len(said) == 1 and "1 more graph(s)" in said[0] and "size mismatch" in said[0], said
+
+
+def test_a_new_sequence_length_every_batch_compiles_one_dynamic_graph(tmp_path, reference):
+    # each batch cut to its own length (dynamic padding); compile={"dynamic": True}: one graph serves every length,
+    # for training and for validation's no-grad forward (and, on the last stage, one for its first step's input,
+    # which is a view: dynamo guards on its base), and PipelineMonitor's counters stay flat from the first step
+    cfg = dict(schedule="1f1b", devices=2, m=2, batch=4, n_train=32, n_val=8, n_layers=4, vary=True,
+               compile={**EAGER, "dynamic": True}, monitor_pipeline=True)  # fmt: skip
+    assert len({batch["tokens"].shape[1] for batch in loader(32, 4, vary=True)}) >= 4
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    assert "after the first training step" not in job.output
+    for rank in range(2):
+        dynamo = job.rank(rank)["dynamo"]
+        assert dynamo["frames"]["ok"] == dynamo["frames"]["total"] > 0 and dynamo["stats"]["unique_graphs"] <= 2 + rank
+    graphs = [r["pipeline/compiled_graphs"] for r in job.rank(0)["logged"] if "pipeline/compiled_graphs" in r]
+    eager = [r["pipeline/eager_frames"] for r in job.rank(0)["logged"] if "pipeline/eager_frames" in r]
+    assert len(graphs) == 7 and set(graphs) == {sum(job.rank(r)["dynamo"]["stats"]["unique_graphs"] for r in (0, 1))}
+    assert set(eager) == {0}
+    assert_state_equal(job.state(), reference(**common(cfg))["state"], PARAM_TOL)  # each batch cut as a whole
+
+
+@pytest.mark.parametrize("inside", ["fsdp", "tp"])
+def test_compile_true_with_fsdp_or_tensor_parallel_inside_stages(inside, tmp_path, reference):
+    # 2 stages x 2 FSDP replicas (the blocks compiled after fully_shard: dynamo skips FSDP's hooks), or x 2
+    # tensor-parallel shards of each block's MLP (DTensor parameters in the compiled graphs; SGD as in test_sharding)
+    cfg = dict(schedule="1f1b", devices=4, pp=2, m=2, batch=4, n_train=16, n_val=4, n_layers=4, compile=EAGER)
+    if inside == "fsdp":
+        cfg.update(data_parallel="fsdp")
+    else:
+        cfg.update(model="tpinit", tp=2, build="init_module", optimizer="sgd", lr=0.5)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=400))
+    for rank in range(4):
+        dynamo = job.rank(rank)["dynamo"]
+        assert dynamo["frames"]["ok"] == dynamo["frames"]["total"] > 0 and dynamo["stats"]["unique_graphs"] > 0, dynamo
+    ref = reference(**(combined(cfg) if inside == "fsdp" else _micro(cfg)))
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)

@@ -14,6 +14,13 @@ import logging
 log = logging.getLogger(__name__)
 
 
+def dynamo_counts() -> tuple[int, int]:
+    """Graphs dynamo compiled in this process so far, and the frames it gave up on (ran eagerly)."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], counters["frames"]["total"] - counters["frames"]["ok"]
+
+
 class RecompileWatch:
     """Dynamo's graph and frame counts from one training step to the next (nothing where nothing is compiled)."""
 
@@ -26,9 +33,9 @@ class RecompileWatch:
     def step_done(self, train: bool) -> None:
         """After each step: a training step that compiled, or ran eagerly, is said (once); what validation's
         no-grad forward compiles is taken in silently."""
-        from torch._dynamo.utils import counters, guard_failures
+        from torch._dynamo.utils import guard_failures
 
-        now = (counters["stats"]["unique_graphs"], counters["frames"]["total"] - counters["frames"]["ok"])
+        now = dynamo_counts()
         if train and self._seen is not None and now != self._seen and not self._said:
             graphs, eager = now[0] - self._seen[0], now[1] - self._seen[1]
             new = [r for code, failed in guard_failures.items() for r in failed[self._failures.get(code, 0) :]]
