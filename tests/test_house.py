@@ -21,6 +21,7 @@ ORDER = [
     "checkpoints",
     "split",
     "runtime",
+    "choose",
     "holding",
     "strategy",
     "callbacks",

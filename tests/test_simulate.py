@@ -1,10 +1,10 @@
-"""The schedule simulator (lightning_pp.plan.simulate) against the closed forms, with uniform costs: one process."""
+"""The schedule simulator (lightning_pp.choose.simulate) against the closed forms, with uniform costs: one process."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_pp.plan.simulate import Costs, rank_actions, replay, simulate
+from lightning_pp.choose.simulate import Costs, rank_actions, replay, simulate
 
 
 def uniform(pp: int, v: int, forward: float = 1.0, backward: float = 2.0, weight: float = 1.0) -> Costs:

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import ok, run_job
 
-from lightning_pp.plan.simulate import replay
+from lightning_pp.choose.simulate import replay
 from lightning_pp.runtime.telemetry import Event
 
 M = 4

@@ -2,12 +2,12 @@
 valid configuration simulated (``simulate``, ``planner``) with costs measured on the model and the
 machine (``calibrate``), ranked, and the best verified through the app (``app``).
 
-Imports: ``train`` and the strategy (as a user would), ``layout``, ``split``, ``runtime``.
+Imports: ``train`` and the strategy (as a user would), ``layout``, ``split``, ``runtime``, ``choose``.
 """
 
 from typing import Any
 
-__all__ = ["plan_module", "profile_module"]
+__all__ = ["plan_module"]
 
 
 def __getattr__(name: str) -> Any:

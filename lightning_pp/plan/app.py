@@ -34,8 +34,10 @@ from omegaconf import DictConfig
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import check_microbatches
-from lightning_pp.plan.calibrate import Machine, fit_nonnegative, measure_machine
-from lightning_pp.plan.planner import Config, ModelCosts, Prediction, plan, predict
+from lightning_pp.choose.costs import profile_module, profiled_sizes
+from lightning_pp.choose.machine import Machine
+from lightning_pp.choose.planner import Config, ModelCosts, Prediction, plan, predict
+from lightning_pp.plan.calibrate import fit_nonnegative, measure_machine
 from lightning_pp.split.microbatch import batch_size_of, split_batch
 from lightning_pp.split.partition import uniform_split
 from lightning_pp.split.profiling import Segments, measure_segments
@@ -54,20 +56,6 @@ _CHOSEN = ("schedule", "pipeline_parallel_size", "stages_per_rank", "n_microbatc
 _CHOSEN += ("activation_checkpointing",)
 
 
-def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int]) -> ModelCosts:
-    """Costs of ``module``'s own training step on micro-batches of ``sizes`` samples cut from ``batch``, and of its
-    optimizer: one process, the module as it is (on the CPU here); its weights and gradients are left as they were."""
-    blocks = find_layers(module, resolve_layers(module, layers))
-    full = batch_size_of(batch)
-    measured = []
-    with patched(module, log=lambda *_, **__: None):
-        for size in sorted(set(sizes)):
-            micro = split_batch(batch, full // size)[0]
-            measured.append(measure_segments(module, blocks, lambda micro=micro: module.training_step(micro, 0), size))
-        ratio, seconds = _optimizer_costs(module, lambda: module.training_step(split_batch(batch, full)[0], 0))
-    return ModelCosts(tuple(measured), ratio, seconds)
-
-
 def plan_module(
     module: L.LightningModule,
     batch: Any,
@@ -80,45 +68,8 @@ def plan_module(
     """Every configuration of ``module`` on ``devices`` CPU ranks for batches like ``batch``, best first (see
     ``planner.plan`` for ``choices``: schedules, pipeline_sizes, microbatches, activation_checkpointing)."""
     full = batch_size_of(batch)
-    costs = profile_module(module, batch, layers, _profiled_sizes(full))
+    costs = profile_module(module, batch, layers, profiled_sizes(full))
     return plan(costs, machine or measure_machine(), devices, full, memory_limit_mib, **choices)
-
-
-def _profiled_sizes(batch_size: int) -> list[int]:
-    """The smallest, a middle and the largest micro-batch the plan may use: costs are affine in between."""
-    sizes = [batch_size // m for m in range(1, batch_size + 1) if batch_size % m == 0]
-    return sorted({sizes[-1], sizes[len(sizes) // 2], sizes[0]})
-
-
-def _optimizer_costs(module: L.LightningModule, run_step: Any, repeats: int = 3) -> tuple[float, float]:
-    """The optimizer's state bytes per parameter byte, and seconds per parameter byte of one step."""
-    optimizer = _first_optimizer(module.configure_optimizers())
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    nbytes = sum(p.nbytes for p in params) or 1
-    before = [p.detach().clone() for p in params]
-    run_step().backward()
-    times = []
-    for _ in range(repeats + 1):
-        start = time.perf_counter()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
-    optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():  # the module leaves as it came
-        for p, value in zip(params, before):
-            p.copy_(value)
-    return state / nbytes, statistics.median(times[1:]) / nbytes
-
-
-def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
-    """The optimizer of ``configure_optimizers``' return value (an optimizer, a list or tuple, or a dict)."""
-    if isinstance(configured, torch.optim.Optimizer):
-        return configured
-    if isinstance(configured, dict):
-        return _first_optimizer(configured["optimizer"])
-    if isinstance(configured, (list, tuple)) and configured:
-        return _first_optimizer(configured[0])
-    raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
 
 
 def entered_costs(cfg: DictConfig) -> tuple[ModelCosts, Machine]:
@@ -314,7 +265,7 @@ def run(cfg: DictConfig) -> Path:
         data.setup("fit")
         batch = next(iter(data.train_dataloader()))
         batch_size = batch_size_of(batch)
-        costs = profile_module(module, batch, cfg.strategy.layers, _profiled_sizes(batch_size))
+        costs = profile_module(module, batch, cfg.strategy.layers, profiled_sizes(batch_size))
         machine = measure_machine(cfg.trainer.accelerator)
         if settings.calibrate_steps:
             machine = calibrate_on_model(costs, machine, devices, batch_size, overrides, out, settings.calibrate_steps)

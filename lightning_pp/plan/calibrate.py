@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -26,22 +26,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-_SIZES = (1 << 10, 1 << 22)  # bytes of the two ping-pong messages
+from lightning_pp.choose.machine import Machine, ping_pong, save_machine
+
 _MICROBATCHES = (2, 4, 8, 16)
 _STEPS = 20  # per fit; the first 4 are left out
-
-
-@dataclass(frozen=True)
-class Machine:
-    latency_s: float
-    bandwidth_bytes_per_s: float
-    action_overhead_s: float  # beyond the computation, per forward or backward a stage runs
-    step_overhead_s: float  # per training step beyond the schedule: Lightning's loop, the runner's bookkeeping
-    base_bytes: int  # a rank's resident memory with torch, Lightning and the process group but no model
-    message_overhead_s: float = 0.0  # a rank's own time per send or receive it posts and waits on
-
-    def message_s(self, nbytes: float) -> float:
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
 
 
 def measure_machine(accelerator: str = "cpu", timeout_s: float = 300.0) -> Machine:
@@ -59,28 +47,9 @@ def measure_machine(accelerator: str = "cpu", timeout_s: float = 300.0) -> Machi
         )
         if run.returncode != 0:
             raise RuntimeError(f"The calibration job failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
-        return Machine(**json.loads(out.read_text()))
-
-
-def _ping_pong(rank: int, device: torch.device) -> tuple[float, float]:
-    """Latency and bandwidth of one message between the two ranks: half a round trip at two sizes."""
-    one_way = []
-    for size in _SIZES:
-        buffer = torch.zeros(size // 4, device=device)
-        times = []
-        for _ in range(12):
-            dist.barrier()
-            start = time.perf_counter()
-            if rank == 0:
-                dist.send(buffer, 1)
-                dist.recv(buffer, 1)
-            else:
-                dist.recv(buffer, 0)
-                dist.send(buffer, 0)
-            times.append((time.perf_counter() - start) / 2)
-        one_way.append(statistics.median(times[2:]))
-    per_byte = max((one_way[1] - one_way[0]) / (_SIZES[1] - _SIZES[0]), 1e-12)
-    return max(one_way[0] - per_byte * _SIZES[0], 0.0), 1.0 / per_byte
+        machine = Machine(**json.loads(out.read_text()))
+    save_machine(machine, accelerator)  # schedule="auto" reads it: the runtime's costs need these short fits
+    return machine
 
 
 class _Free(nn.Module):
@@ -143,7 +112,7 @@ def _split_overheads(step_s: dict[int, float], latency_s: float) -> tuple[float,
     """The cost per action and per step that make the simulator's 1F1B fit the measured step times best (least
     squares: with actions of cost ``a`` the simulated step is ``a`` times the actions on its critical path plus
     the messages on it)."""
-    from lightning_pp.plan.simulate import Costs, simulate
+    from lightning_pp.choose.simulate import Costs, simulate
 
     def schedule_s(m: int, action: float) -> float:
         return simulate("1f1b", 2, m, Costs((action,) * 2, (action,) * 2, message=latency_s)).step_s
@@ -174,7 +143,7 @@ def _main(out: str, accelerator: str) -> None:
     rank = int(os.environ["RANK"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if accelerator == "gpu" else torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    latency_s, bandwidth = _ping_pong(rank, device)
+    latency_s, bandwidth = ping_pong(rank, 1 - rank, device)
     step_s = {m: statistics.median(_fit_step_times(m, accelerator)) for m in _MICROBATCHES}
     if dist.is_initialized():
         dist.destroy_process_group()

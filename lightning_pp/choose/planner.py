@@ -23,8 +23,8 @@ from lightning_pp.layout.schedule import (
     rank_of_stage,
     stages_of_rank,
 )
-from lightning_pp.plan.calibrate import Machine
-from lightning_pp.plan.simulate import Costs, Simulation, activation_peak, rank_actions, simulate
+from lightning_pp.choose.machine import Machine
+from lightning_pp.choose.simulate import Costs, Simulation, activation_peak, rank_actions, simulate
 from lightning_pp.split.partition import min_max_split, uniform_split
 from lightning_pp.split.profiling import Segments
 

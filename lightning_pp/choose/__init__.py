@@ -1,0 +1,8 @@
+"""The configuration the first batch chooses (``schedule="auto"`` and the other ``"auto"`` arguments).
+
+The model's costs measured on the real batch (``costs``), the machine's (``machine``), every configuration
+replayed through torch's own action lists (``simulate``) and ranked (``planner``), and the one every rank
+runs (``auto``). The planner's app (``lightning_pp.plan``) starts from the same functions.
+
+Imports: ``layout``, ``split``, ``runtime`` (the telemetry's events, which the simulator's timeline also is).
+"""

@@ -1,0 +1,71 @@
+"""A model's costs measured in this process: each layer's forward, backward and split backward at several
+micro-batch sizes cut from a real batch, the activations it saves, its parameters, and its optimizer's state and
+step. The planner's app and schedule="auto" both start from them."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import lightning as L
+import torch
+
+from lightning_pp.choose.planner import ModelCosts
+from lightning_pp.split.microbatch import batch_size_of, split_batch
+from lightning_pp.split.profiling import measure_segments
+from lightning_pp.split.stage import find_layers, patched, resolve_layers
+
+
+def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int]) -> ModelCosts:
+    """Costs of ``module``'s own training step on micro-batches of ``sizes`` samples cut from ``batch``, and of its
+    optimizer: one process, the module as it is (on the CPU here); its weights and gradients are left as they were."""
+    blocks = find_layers(module, resolve_layers(module, layers))
+    full = batch_size_of(batch)
+    measured = []
+    with patched(module, log=lambda *_, **__: None):
+        for size in sorted(set(sizes)):
+            micro = split_batch(batch, full // size)[0]
+            measured.append(measure_segments(module, blocks, lambda micro=micro: module.training_step(micro, 0), size))
+        ratio, seconds = _optimizer_costs(module, lambda: module.training_step(split_batch(batch, full)[0], 0))
+    return ModelCosts(tuple(measured), ratio, seconds)
+
+
+def profiled_sizes(batch_size: int) -> list[int]:
+    """The smallest, a middle and the largest micro-batch the plan may use: costs are affine in between."""
+    sizes = [batch_size // m for m in range(1, batch_size + 1) if batch_size % m == 0]
+    return sorted({sizes[-1], sizes[len(sizes) // 2], sizes[0]})
+
+
+def _optimizer_costs(module: L.LightningModule, run_step: Any, repeats: int = 3) -> tuple[float, float]:
+    """The optimizer's state bytes per parameter byte, and seconds per parameter byte of one step."""
+    optimizer = _first_optimizer(module.configure_optimizers())
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    nbytes = sum(p.nbytes for p in params) or 1
+    before = [p.detach().clone() for p in params]
+    run_step().backward()
+    times = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    state = sum(t.nbytes for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor))
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():  # the module leaves as it came
+        for p, value in zip(params, before):
+            p.copy_(value)
+    return state / nbytes, statistics.median(times[1:]) / nbytes
+
+
+def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
+    """The optimizer of ``configure_optimizers``' return value (an optimizer, a list or tuple, or a dict)."""
+    if isinstance(configured, torch.optim.Optimizer):
+        return configured
+    if isinstance(configured, dict):
+        return _first_optimizer(configured["optimizer"])
+    if isinstance(configured, (list, tuple)) and configured:
+        return _first_optimizer(configured[0])
+    raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
+
+
