@@ -18,9 +18,9 @@ from pathlib import Path
 from common import machine
 from hydra import compose, initialize_config_module
 
-from lightning_pp.plan.app import entered_costs
 from lightning_pp.choose.planner import configurations, plan
 from lightning_pp.choose.simulate import Costs, simulate
+from lightning_pp.plan.app import entered_costs
 
 HERE = Path(__file__).parent
 

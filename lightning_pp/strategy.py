@@ -32,12 +32,14 @@ from lightning_pp.checkpoints.formats import is_complete
 from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, open_checkpoint
 from lightning_pp.checkpoints.resume import resume_exactly
 from lightning_pp.checkpoints.swap import fault_point, swapped_in
+from lightning_pp.choose.auto import chosen_options, recorded_choice
 from lightning_pp.holding.sharding import check_no_user_sharding, mixed_precision_policy
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout import options
 from lightning_pp.layout.dtensors import has_dtensors
 from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, layout_of, make_groups
-from lightning_pp.layout.schedule import check_loaders, default_microbatches
+from lightning_pp.layout.options import microbatches_for
+from lightning_pp.layout.schedule import check_loaders
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.lifecycle.rendezvous import connect
 from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
@@ -88,7 +90,9 @@ class PipelineStrategy(ParallelStrategy):
     gradients and optimizer state with FSDP2 (``"fsdp"``). With ``tensor_parallel_size`` the module's
     ``configure_model`` finds ``self.device_mesh`` (dims data, pipeline and tensor parallel) and applies its
     tensor-parallel plan on meta, as under Lightning's ``ModelParallelStrategy``; the strategy does the rest.
-    ``expert_parallel_size`` splits each stage's experts (transformers' MoE models) over its replicas.
+    ``expert_parallel_size`` splits each stage's experts (transformers' MoE models) over its replicas. Arguments
+    given as ``"auto"`` (``schedule``, ``n_microbatches``, ``balance``, ...) are chosen at the first batch by
+    measuring the model and simulating every layout, under ``memory_limit``.
     """
 
     strategy_name = "pipeline"
@@ -118,6 +122,7 @@ class PipelineStrategy(ParallelStrategy):
         init_adapter: Optional[Union[str, PathLike]] = None,
         save_frozen: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
+        memory_limit: options.MemoryLimit = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -125,7 +130,7 @@ class PipelineStrategy(ParallelStrategy):
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
             expert_parallel_size, microbatch_weight, init_fn, init_weights, init_weights_keys, timeout,
-            process_group_backend, async_save, init_adapter, save_frozen, compile,
+            process_group_backend, async_save, init_adapter, save_frozen, compile, memory_limit,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend
@@ -269,8 +274,8 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         trainer = self.lightning_module.trainer
-        m, accumulate = self.microbatches_for(batch_size_of(args[0])), trainer.accumulate_grad_batches
         runner = self._prepare("training_step", args, kwargs)  # the stages' Parameters (sharded, real) exist from here
+        m, accumulate = self.microbatches_for(batch_size_of(args[0])), trainer.accumulate_grad_batches
         params = [p for p in self.lightning_module.parameters() if p.requires_grad]
         released = window_starts(args, accumulate)
         scale: Union[float, list[float]] = loss_multiplier(self.precision_plugin) / (m * accumulate)
@@ -301,13 +306,11 @@ class PipelineStrategy(ParallelStrategy):
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.val_step_context():
             self._pipelined("validation_step", args, kwargs, train=False)
-        return None
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.test_step_context():
             self._pipelined("test_step", args, kwargs, train=False)
-        return None
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -367,15 +370,16 @@ class PipelineStrategy(ParallelStrategy):
         return None if fn is None else weights_of(fn, split_batch(batch, m))
 
     def microbatches_for(self, batch_size: int) -> int:
-        """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages]."""
-        return self.options.n_microbatches or default_microbatches(
-            batch_size, self.options.schedule, self.layout.pp, self.n_stages
-        )
+        return microbatches_for(self.options, batch_size, self.layout.pp, self.n_stages)
 
     def _ensure_pipeline(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
         """At the first batch: learn the module's structure; hold, materialise, shard and restore this rank's stages."""
         if self._runner is not None:
             return self._runner
+        if self.options.auto and not self.options.planned:  # schedule="auto" and the like: chosen now
+            self.options = self._holding.options = chosen_options(
+                self.lightning_module, args[0], self.options, self.layout, self._groups.pp, self._pending
+            )
         module, layout = self.lightning_module, self.layout
         if self._placement is None:
             m = self.microbatches_for(batch_size_of(args[0]))
@@ -441,7 +445,7 @@ class PipelineStrategy(ParallelStrategy):
 
     def _check_loaders(self, kind: str, loaders: Any, limits: list[Union[int, float]]) -> None:
         check_loaders(
-            kind, loaders, limits, self.options.n_microbatches, self.options.schedule, self.layout.pp, self.n_stages
+            kind, loaders, limits, self.options.given_microbatches, self.options.schedule, self.layout.pp, self.n_stages
         )
 
     # ------------------------------------------------------------------ collectives
@@ -449,10 +453,7 @@ class PipelineStrategy(ParallelStrategy):
     def barrier(self, name: Optional[str] = None) -> None:
         if not _distributed_is_initialized():
             return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
+        dist.barrier(device_ids=[self.root_device.index]) if dist.get_backend() == "nccl" else dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
@@ -529,6 +530,7 @@ class PipelineStrategy(ParallelStrategy):
         checkpoint. Sharded saves may run in the background (``checkpoints.asynchronous``)."""
         rank = self.global_rank
         checkpoint.update(self._holding.checkpoint_entries(self.lightning_module, self._groups.pp))
+        checkpoint.update(recorded_choice(self.options))  # schedule="auto": a resumed fit keeps the choice
         if self.options.state_dict_type == "sharded":  # every rank holds its own piece, or one shard per stage
             every = has_dtensors(self.lightning_module)
             writers, group = (None, None) if every else (self.layout.pipeline_ranks(0), self._groups.pp)
@@ -558,9 +560,6 @@ class PipelineStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
-        strategy_registry.register(
-            "pipeline", cls, description="Pipeline parallelism with the 1F1B schedule", schedule="1f1b"
-        )
-        strategy_registry.register(
-            "pipeline_gpipe", cls, description="Pipeline parallelism with the GPipe schedule", schedule="gpipe"
-        )
+        for name, schedule, title in (("pipeline", "1f1b", "1F1B"), ("pipeline_gpipe", "gpipe", "GPipe")):
+            strategy_registry.register(name, cls, description=f"Pipeline parallelism with the {title} schedule",
+                                       schedule=schedule)  # fmt: skip

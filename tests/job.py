@@ -61,6 +61,7 @@ from models import (  # noqa: E402
 )
 
 import lightning_pp  # noqa: E402,F401
+from lightning_pp.choose.auto import CHOSEN  # noqa: E402
 from lightning_pp.layout.dtensors import local_tensor  # noqa: E402
 from lightning_pp.runtime.weighting import label_tokens  # noqa: E402
 from lightning_pp.split.stage import find_layers  # noqa: E402
@@ -430,6 +431,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             async_save=cfg.get("async_save", False),
             save_frozen=cfg.get("save_frozen", False),
             compile=cfg.get("compile", False),
+            memory_limit=cfg.get("memory_limit"),
         )
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()
@@ -499,6 +501,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "local_param_bytes": sum(local_tensor(p).numel() * p.element_size() for p in model.parameters()),
         "meta_params": sum(p.is_meta for p in model.parameters()),
         "dynamo": _dynamo_counters(),
+        "chosen": {k: getattr(trainer.strategy.options, k) for k in CHOSEN} if cfg["strategy"] == "pipeline" else {},
         "expert_bytes": [
             sum(f(p).numel() * p.element_size() for n, p in model.named_parameters() if ".experts." in n)
             for f in (local_tensor, lambda p: p)

@@ -16,13 +16,13 @@ from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
 from lightning_pp import PipelineStrategy
+from lightning_pp.choose.costs import profile_module
+from lightning_pp.choose.machine import Machine
+from lightning_pp.choose.planner import Config, ModelCosts, configurations, plan, predict
 from lightning_pp.examples.gpt import GPT
 from lightning_pp.layout.schedule import check_microbatches, resolve_stages_per_rank
-from lightning_pp.choose.costs import profile_module
 from lightning_pp.plan.app import COLUMNS, entered_costs, plan_module
-from lightning_pp.choose.machine import Machine
 from lightning_pp.plan.calibrate import fit_nonnegative
-from lightning_pp.choose.planner import Config, ModelCosts, configurations, plan, predict
 from lightning_pp.split.partition import uniform_split
 
 ROOT = Path(__file__).parents[1]

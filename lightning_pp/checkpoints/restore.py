@@ -47,6 +47,7 @@ class PendingRestore:
     names: list[list[str]] | None = None
     # the frozen base the checkpoint left out (``checkpoints.frozen``): read from init_weights again
     left_out: frozenset[str] = frozenset()
+    choice: dict[str, Any] | None = None  # what schedule="auto" chose for the run that saved it
 
 
 def open_checkpoint(
@@ -74,7 +75,8 @@ def open_checkpoint(
     else:
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     left_out = check_base(checkpoint.get(FROZEN_KEY), init_weights, path)
-    return checkpoint, PendingRestore(path, sharded=names is not None, names=names, left_out=left_out)
+    choice = checkpoint.get("pipeline_choice")
+    return checkpoint, PendingRestore(path, sharded=names is not None, names=names, left_out=left_out, choice=choice)
 
 
 def placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:

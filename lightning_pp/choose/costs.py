@@ -14,7 +14,7 @@ import torch
 
 from lightning_pp.choose.planner import ModelCosts
 from lightning_pp.split.microbatch import batch_size_of, split_batch
-from lightning_pp.split.profiling import measure_segments
+from lightning_pp.split.profiling import measure_segments, sum_of_outputs
 from lightning_pp.split.stage import find_layers, patched, resolve_layers
 
 
@@ -44,7 +44,7 @@ def _optimizer_costs(module: L.LightningModule, run_step: Any, repeats: int = 3)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     nbytes = sum(p.nbytes for p in params) or 1
     before = [p.detach().clone() for p in params]
-    run_step().backward()
+    sum_of_outputs(run_step()).backward()  # a loss, or Lightning's {"loss": ...}
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
@@ -67,5 +67,3 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     if isinstance(configured, (list, tuple)) and configured:
         return _first_optimizer(configured[0])
     raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
-
-

@@ -39,21 +39,20 @@ class Machine:
 STAND_IN = Machine(3e-4, 1e9, action_overhead_s=5e-4, step_overhead_s=0.05, base_bytes=0)
 
 
-def ping_pong(rank: int, peer: int, device: torch.device, group: dist.ProcessGroup | None = None) -> tuple[float, float]:
-    """Latency and bandwidth of one message between global ranks ``rank`` and ``peer``: half a round trip at two
-    sizes, timed by the lower rank (the other's figures are meaningless); the first two trips warm up."""
+def ping_pong(
+    first: int, second: int, device: torch.device, group: dist.ProcessGroup | None = None
+) -> tuple[float, float]:
+    """Latency and bandwidth of one message between global ranks ``first`` and ``second``: half a round trip at
+    two sizes, as a broadcast from each in turn (every rank of ``group`` takes part: gloo's point-to-point pairs may
+    not be connected yet); the first two trips warm up."""
     one_way = []
     for size in _SIZES:
         buffer = torch.zeros(size // 4, device=device)
         times = []
         for _ in range(12):
             start = time.perf_counter()
-            if rank < peer:
-                dist.send(buffer, peer, group)
-                dist.recv(buffer, peer, group)
-            else:
-                dist.recv(buffer, peer, group)
-                dist.send(buffer, peer, group)
+            dist.broadcast(buffer, first, group)
+            dist.broadcast(buffer, second, group)
             times.append((time.perf_counter() - start) / 2)
         one_way.append(statistics.median(times[2:]))
     per_byte = max((one_way[1] - one_way[0]) / (_SIZES[1] - _SIZES[0]), 1e-12)

@@ -13,6 +13,8 @@ import itertools
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
+from lightning_pp.choose.machine import Machine
+from lightning_pp.choose.simulate import Costs, Simulation, activation_peak, rank_actions, simulate
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import (
     SCHEDULES,
@@ -23,8 +25,6 @@ from lightning_pp.layout.schedule import (
     rank_of_stage,
     stages_of_rank,
 )
-from lightning_pp.choose.machine import Machine
-from lightning_pp.choose.simulate import Costs, Simulation, activation_peak, rank_actions, simulate
 from lightning_pp.split.partition import min_max_split, uniform_split
 from lightning_pp.split.profiling import Segments
 

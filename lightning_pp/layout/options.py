@@ -21,12 +21,17 @@ from lightning_pp.layout.schedule import (
     ASYNC,
     SPLIT_BACKWARD,
     check_microbatches,
+    default_microbatches,
     normalize_schedule,
     resolve_stages_per_rank,
 )
 
 Balance = Union[None, str, Sequence[int]]
-BALANCE_MODES = ("uniform", "parameters", "profile")
+BALANCE_MODES = ("uniform", "parameters", "profile", "auto")
+AUTO = "auto"
+# the arguments "auto" leaves to the first batch, and what stands in for them until then
+_CHOSEN = ("schedule", "n_microbatches", "balance", "stages_per_rank", "activation_checkpointing")
+MemoryLimit = Union[None, int, float, str]  # bytes, or "80%" of the device's memory
 DataParallel = Literal["ddp", "fsdp"]
 Reshard = Literal["step", "microbatch"]
 Split = Literal["prune", "trace"]
@@ -67,8 +72,12 @@ class PipelineOptions:
     init_adapter: Optional[Union[str, os.PathLike]] = None
     save_frozen: bool = False
     compile: Union[bool, Mapping[str, Any], None] = False
+    memory_limit: MemoryLimit = None
+    auto: frozenset[str] = frozenset()  # the arguments given as "auto", chosen at the first batch
+    planned: bool = False  # they have been chosen (the fields hold the choice)
 
     def __post_init__(self) -> None:
+        _stand_in_for_auto(self)
         schedule = normalize_schedule(self.schedule)
         if self.n_microbatches is not None:
             check_microbatches(schedule, int(self.n_microbatches), 1, 1)
@@ -104,9 +113,70 @@ class PipelineOptions:
         return self.schedule in SPLIT_BACKWARD
 
     @property
+    def given_microbatches(self) -> Optional[int]:
+        """``n_microbatches`` as the user gave it: a chosen count is the first batch's, not every batch's."""
+        return None if "n_microbatches" in self.auto else self.n_microbatches
+
+    @property
     def asynchronous(self) -> bool:
         """PipeDream-2BW: no flush between steps."""
         return self.schedule in ASYNC
+
+
+def microbatches_for(o: PipelineOptions, batch_size: int, pp: int, n_stages: int) -> int:
+    """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages] (also for a
+    batch that the count "auto" chose does not divide: the last, partial one)."""
+    m = o.n_microbatches
+    if m is not None and (o.given_microbatches is not None or batch_size % m == 0):
+        return m
+    return default_microbatches(batch_size, o.schedule, pp, n_stages)
+
+
+def _stand_in_for_auto(o: PipelineOptions) -> None:
+    """Until the first batch chooses, the arguments given as "auto" hold what the strategy's set-up can run on (one
+    stage per rank under 1F1B unless the stages per rank were given); ``auto`` names them. With the schedule
+    chosen, so are the micro-batches, stages per rank and balance left unset."""
+    auto = o.auto | {name for name in _CHOSEN if getattr(o, name) == AUTO}
+    if o.schedule == AUTO:
+        auto |= {name for name in ("n_microbatches", "stages_per_rank", "balance") if getattr(o, name) is None}
+    given_stages = o.stages_per_rank not in (None, AUTO) and int(o.stages_per_rank) > 1  # type: ignore[arg-type]
+    stand_ins = {"schedule": "interleaved_1f1b" if given_stages else "1f1b", "n_microbatches": None, "balance": None,
+                 "stages_per_rank": None, "activation_checkpointing": False}  # fmt: skip
+    for name in _CHOSEN:
+        if getattr(o, name) == AUTO:
+            object.__setattr__(o, name, stand_ins[name])
+    object.__setattr__(o, "auto", frozenset(auto))
+    if o.memory_limit is not None:
+        memory_limit_bytes(o.memory_limit, 1)  # checked now, resolved against the device at the first batch
+        if not auto:
+            raise PipelineConfigError(
+                f"memory_limit={o.memory_limit!r} with nothing to choose: it bounds the layout that schedule='auto'"
+                " (or balance='auto', n_microbatches='auto', ...) picks. Give one of them as 'auto', or leave"
+                " memory_limit out."
+            )
+    if auto and (o.tensor_parallel_size > 1 or o.expert_parallel_size > 1):
+        raise PipelineConfigError(
+            f"{sorted(auto)} given as 'auto' with tensor_parallel_size={o.tensor_parallel_size} and"
+            f" expert_parallel_size={o.expert_parallel_size}: the planner does not model tensor or expert"
+            " parallelism yet. Give the schedule, micro-batches and balance explicitly with them."
+        )
+
+
+def memory_limit_bytes(limit: MemoryLimit, device_bytes: int) -> int:
+    """``memory_limit`` in bytes: a number of bytes, or a share of ``device_bytes`` such as "80%"."""
+    if isinstance(limit, str) and limit.strip().endswith("%"):
+        try:
+            share = float(limit.strip()[:-1]) / 100
+        except ValueError:
+            share = -1.0
+        if 0 < share <= 1:
+            return int(share * device_bytes)
+    elif isinstance(limit, (int, float)) and not isinstance(limit, bool) and limit > 0:
+        return int(limit)
+    raise PipelineConfigError(
+        f"memory_limit={limit!r}: give the bytes a rank may hold (e.g. 40 * 2**30) or a share of the device's"
+        " memory such as '80%'."
+    )
 
 
 def check_balance_mode(balance: str) -> None:

@@ -16,10 +16,8 @@ import csv
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -32,16 +30,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from lightning_pp.errors import PipelineConfigError
-from lightning_pp.layout.schedule import check_microbatches
 from lightning_pp.choose.costs import profile_module, profiled_sizes
 from lightning_pp.choose.machine import Machine
 from lightning_pp.choose.planner import Config, ModelCosts, Prediction, plan, predict
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.schedule import check_microbatches
 from lightning_pp.plan.calibrate import fit_nonnegative, measure_machine
-from lightning_pp.split.microbatch import batch_size_of, split_batch
+from lightning_pp.split.microbatch import batch_size_of
 from lightning_pp.split.partition import uniform_split
-from lightning_pp.split.profiling import Segments, measure_segments
-from lightning_pp.split.stage import find_layers, patched, resolve_layers
+from lightning_pp.split.profiling import Segments
 from lightning_pp.train.app import check_config
 
 log = logging.getLogger(__name__)

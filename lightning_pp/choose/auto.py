@@ -1,0 +1,222 @@
+"""``schedule="auto"`` (and ``n_microbatches``, ``balance``, ``stages_per_rank``, ``activation_checkpointing``):
+the first batch chooses them for the replicas and pipeline ranks the user gave.
+
+Rank 0 measures the model on the real batch (``costs``: each layer at three micro-batch sizes, through the
+user's own step), times a message to its pipeline neighbour, simulates every configuration torch accepts for
+these ranks (``planner``) and sends its choice to every rank in one broadcast, so that all run the same; an
+error (a memory limit nothing fits under) travels the same way and is raised everywhere. What it measures
+leaves the module, its gradients, buffers and the random state as they were: the run trains as one with the
+chosen arguments given. The choice is written into each checkpoint; a resumed fit takes it from there
+without measuring again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from torch.utils._pytree import tree_map
+
+from lightning_pp.checkpoints.restore import PendingRestore
+from lightning_pp.choose.costs import profile_module, profiled_sizes
+from lightning_pp.choose.machine import STAND_IN, Machine, ping_pong, save_machine, saved_machine, with_messages
+from lightning_pp.choose.planner import Prediction, plan
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.mesh import Layout
+from lightning_pp.layout.options import PipelineOptions, memory_limit_bytes
+from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
+from lightning_pp.split.microbatch import batch_size_of
+
+log = logging.getLogger("lightning.pytorch.pipeline")
+CHOSEN = ("schedule", "n_microbatches", "stages_per_rank", "balance", "activation_checkpointing")
+
+
+def chosen_options(
+    module: nn.Module,
+    batch: Any,
+    options: PipelineOptions,
+    layout: Layout,
+    group: dist.ProcessGroup | None,
+    pending: PendingRestore | None,
+) -> PipelineOptions:
+    """The options with what was "auto" chosen, the same on every rank: the choice of the checkpoint being resumed
+    (``pending``) or rank 0's plan, its message to the next stage timed over the pipeline's ``group``."""
+    recorded = None if pending is None else _fits(pending.choice, layout)
+    if recorded is not None:
+        rank_zero_info(f"The resumed checkpoint's choice stands: {_describe(recorded)}.")
+        return replace(options, **recorded, planned=True)
+    rank, device = dist.get_rank(), next(module.parameters()).device
+    accelerator = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    cached, fitted = saved_machine(accelerator) if rank == 0 else (None, False)
+    measure = [cached is None]
+    dist.broadcast_object_list(measure, src=0)  # rank 0's cache decides for the pair
+    messages = None
+    if measure[0] and layout.pp > 1:  # each replica's pipeline times its own; replica 0's counts
+        messages = ping_pong(layout.stage_rank(0), layout.stage_rank(1), torch.device(device), group)
+    if rank != 0:
+        outcome: list[Any] = [None]
+    else:
+        machine = cached or with_messages(STAND_IN, *(messages or (STAND_IN.latency_s, STAND_IN.bandwidth_bytes_per_s)))
+        if cached is None:
+            save_machine(machine, accelerator, fitted=False)
+        try:
+            outcome = [_plan(module, batch, options, layout, machine, fitted)]
+        except PipelineConfigError as error:
+            outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], PipelineConfigError):
+        raise outcome[0]
+    return replace(options, **outcome[0], planned=True)
+
+
+def _fits(recorded: Mapping[str, Any] | None, layout: Layout) -> Mapping[str, Any] | None:
+    """A recorded choice whose stages this layout can hold (a resume on other ranks chooses again)."""
+    if recorded is None or not isinstance(recorded.get("balance"), list):
+        return recorded
+    return recorded if len(recorded["balance"]) == layout.pp * recorded["stages_per_rank"] else None
+
+
+def recorded_choice(options: PipelineOptions) -> dict[str, Any]:
+    """What a checkpoint records of the choice (nothing when nothing was "auto")."""
+    if not (options.auto and options.planned):
+        return {}
+    return {"pipeline_choice": {name: getattr(options, name) for name in CHOSEN}}
+
+
+def _plan(
+    module: nn.Module, batch: Any, options: PipelineOptions, layout: Layout, machine: Machine, fitted: bool
+) -> dict[str, Any]:
+    if any(p.is_meta for p in module.parameters()):
+        raise PipelineConfigError(
+            f"{sorted(options.auto)} given as 'auto' on a module built on meta: the choice measures the model's own"
+            " step on the first batch, which needs its weights. Build it on the CPU (the planner app,"
+            " python -m lightning_pp.plan, plans such a model from a smaller copy), or give these arguments."
+        )
+    start = time.perf_counter()
+    size = batch_size_of(batch)
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    # where the module is (the first batch is on the rank's device already); the batch may be the sanity check's,
+    # made under inference mode: its copy is measured with gradients
+    at = next(module.parameters()).device
+    with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
+        batch = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
+        costs = profile_module(module, batch, options.layers, profiled_sizes(size))
+    if not fitted:  # the stand-in's base: this process without the model
+        held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+        machine = replace(machine, base_bytes=max(_resident_bytes() - held, 0))
+    limit = _limit_mib(options, next(module.parameters()).device, layout)
+    ranked = [p for p in plan(costs, machine, layout.pp * layout.dp, size, limit, **_choices(options, layout, size))
+              if _keeps(p, options)]  # fmt: skip
+    if not ranked:
+        raise _nothing_fits(options, costs, machine, layout, size, limit)
+    best = ranked[0]
+    choice = {
+        "schedule": best.config.schedule,
+        "n_microbatches": best.config.n_microbatches,
+        "stages_per_rank": best.config.stages_per_rank,
+        "balance": list(best.config.balance) if "balance" in options.auto else options.balance,
+        "activation_checkpointing": best.config.activation_checkpointing,
+    }
+    runner_up = f"; runner-up: {_describe_prediction(ranked[1])}" if len(ranked) > 1 else ""
+    action = "measured" if fitted else "this project's CPU figure (python -m lightning_pp.plan measures this machine's)"
+    rank_zero_info(
+        f"schedule='auto' chose {_describe_prediction(best)}{runner_up}. Planned in {time.perf_counter() - start:.1f} s"
+        f" over {len(ranked)} configurations from the first batch's costs; the runtime's cost per action was {action}."
+    )
+    return choice
+
+
+def _choices(options: PipelineOptions, layout: Layout, size: int) -> dict[str, Any]:
+    """``planner.configurations``' narrowing: the ranks as given, each argument given kept."""
+    auto = options.auto
+    schedules = (
+        [s for s in SCHEDULES if s not in ASYNC and _accepts(options, s)] if "schedule" in auto else [options.schedule]
+    )
+    fixed_m = options.n_microbatches or default_microbatches(size, options.schedule, layout.pp, layout.n_stages)
+    return {
+        "schedules": schedules,
+        "pipeline_sizes": [layout.pp],
+        "stages_per_rank": (2, 4) if "stages_per_rank" in auto else (options.stages_per_rank,),
+        "microbatches": None if "n_microbatches" in auto else [fixed_m],
+        "activation_checkpointing": (False, True)
+        if "activation_checkpointing" in auto
+        else (options.activation_checkpointing,),
+        "data_parallel": (options.data_parallel,),
+    }
+
+
+def _accepts(options: PipelineOptions, schedule: str) -> bool:
+    """The other arguments work with ``schedule`` (compile refuses the split-backward schedules, ...)."""
+    try:
+        replace(options, schedule=schedule, stages_per_rank=None, memory_limit=None, auto=frozenset())
+    except PipelineConfigError:
+        return False
+    return True
+
+
+def _keeps(prediction: Prediction, options: PipelineOptions) -> bool:
+    """A prediction that honours what was given: the stages per rank, a balance mode or list."""
+    config = prediction.config
+    if "stages_per_rank" not in options.auto and "schedule" in options.auto and options.stages_per_rank:
+        if config.stages_per_rank != options.stages_per_rank:
+            return False
+    if "balance" in options.auto:
+        return True
+    if isinstance(options.balance, (list, tuple)):
+        return len(options.balance) == len(config.balance)
+    return config.balance_mode == ("profile" if options.balance == "profile" else "uniform")
+
+
+def _limit_mib(options: PipelineOptions, device: torch.device, layout: Layout) -> float | None:
+    if options.memory_limit is None:
+        return None
+    if torch.device(device).type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:  # the host's memory, shared by its ranks
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return memory_limit_bytes(options.memory_limit, total) / 2**20
+
+
+def _nothing_fits(
+    options: PipelineOptions, costs: Any, machine: Machine, layout: Layout, size: int, limit: float | None
+) -> PipelineConfigError:
+    every = [p for p in plan(costs, machine, layout.pp * layout.dp, size, None, **_choices(options, layout, size))
+             if _keeps(p, options)]  # fmt: skip
+    if limit is None or not every:
+        given = _describe({k: getattr(options, k) for k in CHOSEN if k not in options.auto})
+        return PipelineConfigError(
+            f"schedule='auto' found no configuration torch accepts for a batch of {size} on {layout.pp} pipeline"
+            f" ranks with the arguments given ({given}). Give the schedule and micro-batches explicitly."
+        )
+    least = min(every, key=lambda p: p.peak_mib)
+    return PipelineConfigError(
+        f"memory_limit={options.memory_limit!r} ({limit:.0f} MiB per rank): no layout is predicted to fit; the"
+        f" smallest predicted peak is {least.peak_mib:.0f} MiB ({_describe_prediction(least)}). Raise the limit,"
+        " add pipeline ranks, or shard the stages (data_parallel='fsdp')."
+    )
+
+
+def _describe_prediction(p: Prediction) -> str:
+    c = p.config
+    fields = {"schedule": c.schedule, "n_microbatches": c.n_microbatches, "stages_per_rank": c.stages_per_rank,
+              "balance": list(c.balance), "activation_checkpointing": c.activation_checkpointing}  # fmt: skip
+    return f"{_describe(fields)} (predicted step {p.step_s:.3f} s, peak {p.peak_mib:.0f} MiB per rank)"
+
+
+def _describe(fields: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+
+
+def _resident_bytes() -> int:
+    try:
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return 0
