@@ -118,8 +118,20 @@ def test_bad_override_fails_the_app_before_any_process_starts(tmp_path):
 
 def test_default_job_writes_results_and_learns(tmp_path):
     run_dir = tmp_path / "run"
-    proc = app([*QUICK, "trainer.limit_train_batches=40", "monitor=true", f"hydra.run.dir={run_dir}"], tmp_path)
+    with_summary = [o for o in QUICK if not o.startswith("trainer.enable_model_summary")]
+    proc = app([*with_summary, "trainer.limit_train_batches=40", "monitor=true", f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # Lightning's (rich) model summary: the whole model's parameters (each stage holds 104 K), no FLOPs it never
+    # counted (the module has no example_input_array)
+    assert "Total params: 208 K" in proc.stdout and "FLOPs" not in proc.stdout + proc.stderr, proc.stdout
+    # each rank's log file holds that rank's log records (Lightning's and lightning_pp's loggers)
+    rank0_log, rank1_log = (run_dir / "train.log").read_text(), (run_dir / "train_rank1.log").read_text()
+    assert "Initializing distributed: GLOBAL_RANK: 0" in rank0_log and "Pipeline placement (2 stages" in rank0_log
+    assert "Initializing distributed: GLOBAL_RANK: 1" in rank1_log and "GLOBAL_RANK: 0" not in rank1_log
+    # metrics.csv: the fit's own validation (one, at its last step), not the app's validation after fit
+    with (run_dir / "logs" / "version_0" / "metrics.csv").open() as f:
+        validations = [(r["epoch"], r["step"]) for r in csv.DictReader(f) if r.get("val_loss")]
+    assert validations == [("0", "39")], validations
     # the monitor switch: timeline and Gantt chart of the last step next to the logs
     assert {p.name for p in run_dir.glob("logs/version_0/pipeline_*")} == {
         "pipeline_trace.json",
@@ -174,9 +186,13 @@ def test_lora_trains_only_the_adapters_through_the_app(tmp_path):
 
 def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):
     sweep = tmp_path / "sweep"
-    proc = app(["-m", "strategy.n_microbatches=2", "trainer.devices=2,3", "strategy.schedule=gpipe", *QUICK,
-                f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400)  # fmt: skip
+    plain_summary = "+callbacks.summary._target_=lightning.pytorch.callbacks.ModelSummary"  # its text in the log
+    with_summary = [o for o in QUICK if not o.startswith("trainer.enable_model_summary")]
+    proc = app(["-m", "strategy.n_microbatches=2", "trainer.devices=2,3", "strategy.schedule=gpipe", *with_summary,
+                plain_summary, f"hydra.sweep.dir={sweep}"], tmp_path, timeout=400)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # the sweep's end points to what it wrote
+    assert f"Sweep summary: {sweep / 'summary.csv'} (one row per job) and {sweep / 'summary.png'}" in proc.stdout
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and p.name.isdigit())
     assert len(jobs) == 2
     seen = set()
@@ -194,6 +210,12 @@ def test_multirun_runs_each_job_with_its_own_ranks(tmp_path):
             assert info["strategy"]["schedule"] == "gpipe"
             pids.add(info["pid"])
         assert len(pids) == devices
+        # each job's log file holds its own records (not the previous job's), with the whole model's plain summary
+        # and no FLOPs
+        rank0_log = (job / "train.log").read_text()
+        assert f"MEMBER: 1/{devices}" in rank0_log and f"MEMBER: 1/{5 - devices}" not in rank0_log
+        assert "208 K     Total params" in rank0_log and "flops" not in rank0_log.lower(), rank0_log
+        assert f"GLOBAL_RANK: {devices - 1}," in (job / f"train_rank{devices - 1}.log").read_text()
     assert seen == {(2, 2), (3, 2)}
     with (sweep / "summary.csv").open() as f:
         rows = list(csv.DictReader(f))

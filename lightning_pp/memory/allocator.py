@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.fabric.utilities.rank_zero import rank_prefixed_message
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_debug, rank_zero_only
 
 from lightning_pp.layout.dtensors import local_tensor
 
@@ -64,11 +64,11 @@ def return_freed_tensors(device: torch.device) -> None:
         return
     _fixed = True
     _libc = _fix_mmap_threshold(MMAP_THRESHOLD)
-    if _libc is not None:
-        rank_zero_info(
-            f"PipelineStrategy: tensors of {MMAP_THRESHOLD // 2**20} MiB and more go back to the OS when freed, and"
-            " the heap's free pages before each backward, while that costs a rank under 3% of a step (glibc's mmap"
-            " threshold fixed; set MALLOC_MMAP_THRESHOLD_ to leave glibc's allocator as it is)."
+    if _libc is not None:  # the default working as meant: nothing for the user to do, so not at info
+        rank_zero_debug(
+            f"PipelineStrategy: glibc's mmap threshold fixed at {MMAP_THRESHOLD // 2**20} MiB, so that freed"
+            " parameter-sized tensors leave the process (set MALLOC_MMAP_THRESHOLD_ to leave glibc's allocator as"
+            " it is)."
         )
 
 
@@ -113,9 +113,11 @@ def training_step_begins() -> None:
             _libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)
             _log.info(
                 rank_prefixed_message(
-                    f"PipelineStrategy: page faults and heap trims took {share:.0%} of the third training step;"
-                    f" from now on tensors below {STEADY_MMAP_THRESHOLD // 2**20} MiB stay in the heap, untrimmed"
-                    " (faster; the peak memory may grow by the heap's fragments)",
+                    f"PipelineStrategy: page faults and heap trims took {share:.0%} of this rank's third training"
+                    " step, so it now keeps freed tensors below"
+                    f" {STEADY_MMAP_THRESHOLD // 2**20} MiB for reuse: faster steps, a peak memory that may grow by"
+                    " the heap's fragments (set MALLOC_MMAP_THRESHOLD_=4194304 MALLOC_TRIM_THRESHOLD_=131072 to keep"
+                    " the lean heap whatever it costs)",
                     rank_zero_only.rank,
                 )
             )

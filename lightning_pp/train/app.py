@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -121,7 +122,11 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     start = time.perf_counter()
     trainer.fit(model, datamodule=data, ckpt_path=resume_from(cfg.get("resume"), trainer))
     train_loss = trainer.callback_metrics.get("train_loss")
+    # the final weights' val_loss for result.json, kept from the loggers: it would end metrics.csv with a row one
+    # epoch past the last trained, which no fit wrote
+    loggers, trainer.loggers = trainer.loggers, []
     validated = trainer.validate(model, datamodule=data, verbose=False)  # empty under limit_val_batches=0
+    trainer.loggers = loggers
     val_loss = validated[0].get("val_loss") if validated else None
     wall = time.perf_counter() - start
 
@@ -180,7 +185,27 @@ def resume_from(resume: str | None, trainer: L.Trainer) -> str | None:
     return "last" if found else None
 
 
+@contextlib.contextmanager
+def lightning_logs_in_job_file() -> Iterator[None]:
+    """Lightning's loggers (``lightning.pytorch``, with lightning_pp's beneath it, and ``lightning.fabric``) print
+    by themselves and do not propagate when imported before logging is configured, as the app imports them before
+    Hydra configures the job's: without the job's log file among their handlers, that file (``train.log``,
+    ``train_rank{r}.log``) stays empty. Removed after the job: the next job of a sweep has a file of its own."""
+    files = [h for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    loggers = [logger for logger in loggers if not logger.propagate]
+    for logger in loggers:
+        for handler in files:
+            logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            for handler in files:
+                logger.removeHandler(handler)
+
+
 @hydra.main(version_base="1.3", config_path="pkg://lightning_pp.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    with job_scope():
+    with job_scope(), lightning_logs_in_job_file():
         run(cfg)

@@ -88,9 +88,12 @@ class SweepSummary(Callback):
             return
         csv_path = write_summary(sweep_dir)
         try:
-            plot_summary(csv_path, sweep_dir / "summary.png")
+            png_path = plot_summary(csv_path, sweep_dir / "summary.png")
         except ImportError:
             log.warning("matplotlib is not installed: wrote %s without summary.png", csv_path)
+            return
+        # printed, not logged: the last job's logging is still configured and would take it into that job's log
+        print(f"Sweep summary: {csv_path} (one row per job) and {png_path}", flush=True)
 
 
 def _job_order(name: str) -> tuple[int, str]:
