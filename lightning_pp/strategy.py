@@ -49,6 +49,7 @@ from lightning_pp.runtime.metrics import load_states, sync_metrics_over
 from lightning_pp.runtime.precision import count_once, loss_multiplier, pipeline_precision
 from lightning_pp.runtime.relay import ReportRelay, predictions_to_first_stage, quiet_sync_advice, replay
 from lightning_pp.runtime.step import PipelineRunner
+from lightning_pp.runtime.summary import summarize_counted_flops
 from lightning_pp.runtime.telemetry import Event
 from lightning_pp.runtime.twobw import (
     check_optimizers,
@@ -229,6 +230,7 @@ class PipelineStrategy(ParallelStrategy):
     def setup(self, trainer: Trainer) -> None:
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
+        summarize_counted_flops(trainer)
         if self._placement is None:
             check_module(module, self.options.layers, self.options.balance, self.n_stages)
         self._holding.match_pretrained(module)
@@ -451,9 +453,8 @@ class PipelineStrategy(ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        dist.barrier(device_ids=[self.root_device.index]) if dist.get_backend() == "nccl" else dist.barrier()
+        if _distributed_is_initialized():
+            dist.barrier(device_ids=[self.root_device.index]) if dist.get_backend() == "nccl" else dist.barrier()
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
