@@ -19,6 +19,8 @@ import torch
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
+# schedule="auto" keeps the machine's costs here, not in the home directory (every job and rank inherits it)
+os.environ.setdefault("LIGHTNING_PP_CACHE", str(Path(os.environ.get("TMPDIR", "/tmp")) / f"lightning_pp_{os.getpid()}"))
 
 
 def child_env() -> dict[str, str]:

@@ -77,7 +77,8 @@ class Config:
     stages_per_rank: int
     n_microbatches: int
     balance: tuple[int, ...]
-    balance_mode: str  # "uniform" or "profile" (the layer counts that even out the predicted stage costs)
+    balance_mode: str  # "uniform", "profile" (the layer counts that even out the predicted stage costs) or "memory"
+    # (layers moved off the ranks that peak highest, to fit a memory limit)
     activation_checkpointing: bool
     data_parallel: str = "ddp"  # with replicas, "fsdp" shards the optimizer state over them
 
@@ -218,9 +219,39 @@ def plan(
         balanced = _balanced(config, costs.at(batch_size // config.n_microbatches))
         for candidate in [config] + ([balanced] if balanced.balance != config.balance else []):
             prediction = predict(candidate, costs, machine, batch_size, devices)
-            if memory_limit_mib is None or prediction.peak_mib <= memory_limit_mib:
+            if memory_limit_mib is not None and prediction.peak_mib > memory_limit_mib:
+                prediction = _under(memory_limit_mib, prediction, costs, machine, batch_size, devices)
+            if prediction is not None and prediction not in predictions:
                 predictions.append(prediction)
     return sorted(predictions, key=lambda p: (-p.samples_per_s, p.peak_mib))
+
+
+def _under(
+    limit_mib: float, over: Prediction, costs: ModelCosts, machine: Machine, batch_size: int, devices: int
+) -> Prediction | None:
+    """``over``'s layers moved, one at a time, off the rank predicted to peak highest (under 1F1B the first
+    ranks hold the most micro-batches in flight) onto a neighbouring stage, until the peak fits ``limit_mib``;
+    None where no stage has a layer to spare."""
+    config, prediction = over.config, over
+    pp, v = config.pipeline_parallel_size, config.stages_per_rank
+    for _ in range(costs.n_layers * len(config.balance)):
+        if prediction.peak_mib <= limit_mib:
+            return prediction
+        peak_rank = max(range(pp), key=lambda r: prediction.peak_bytes[r])
+        counts = list(prediction.config.balance)
+        mine = [s for s in stages_of_rank(config.schedule, peak_rank, pp, v) if counts[s] > 1]
+        if not mine:
+            return None
+        stage = max(mine, key=lambda s: counts[s])
+        # to the neighbour whose rank peaks lower
+        targets = [t for t in (stage - 1, stage + 1) if 0 <= t < len(counts)]
+        target = min(targets, key=lambda t: prediction.peak_bytes[rank_of_stage(config.schedule, t, pp)])
+        if rank_of_stage(config.schedule, target, pp) == peak_rank:
+            return None
+        counts[stage], counts[target] = counts[stage] - 1, counts[target] + 1
+        moved = replace(prediction.config, balance=tuple(counts), balance_mode="memory")
+        prediction = predict(moved, costs, machine, batch_size, devices)
+    return prediction if prediction.peak_mib <= limit_mib else None
 
 
 def _balanced(config: Config, segments: Segments) -> Config:

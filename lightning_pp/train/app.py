@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.options import AUTO
 from lightning_pp.layout.schedule import resolve_stages_per_rank
 from lightning_pp.lifecycle.exit import close_process_groups
 from lightning_pp.split.microbatch import batch_size_of, tokens_in
@@ -64,8 +65,9 @@ class Throughput(Callback):
 
 def check_config(cfg: DictConfig) -> None:
     """Overrides that cannot work, named by their config key, before any process starts."""
-    try:
-        per_rank = resolve_stages_per_rank(cfg.strategy.schedule, cfg.strategy.get("stages_per_rank"))
+    schedule, stages_per_rank = cfg.strategy.schedule, cfg.strategy.get("stages_per_rank")
+    try:  # "auto": the first batch chooses, one stage per rank at least
+        per_rank = 1 if AUTO in (schedule, stages_per_rank) else resolve_stages_per_rank(schedule, stages_per_rank)
     except PipelineConfigError as error:
         raise PipelineConfigError(f"strategy.schedule={cfg.strategy.schedule}: {error}") from None
     devices, nodes = cfg.trainer.get("devices"), cfg.trainer.get("num_nodes", 1)

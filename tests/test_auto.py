@@ -1,0 +1,95 @@
+"""``schedule="auto"``: the first batch measures the model, simulates every layout and every rank runs rank 0's
+choice, which trains as one process with the chosen arguments and stays when the run resumes; a memory limit
+keeps the choice under it or refuses on every rank."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ok, run_job
+from test_parity import common
+from test_tied import assert_state_equal
+
+from lightning_pp import PipelineStrategy
+from lightning_pp.choose.machine import Machine
+from lightning_pp.choose.planner import ModelCosts, plan
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.split.profiling import Segments
+
+AUTO = dict(schedule="auto", activation_checkpointing="auto", devices=2, batch=8, n_train=24, n_val=8, n_layers=4)
+
+
+def test_auto_chooses_one_layout_for_every_rank_trains_as_one_process_and_resumes_with_it(tmp_path, reference):
+    job = ok(run_job({**AUTO, "strategy": "pipeline"}, tmp_path / "a", timeout=300))
+    chosen = job.rank(0)["chosen"]
+    assert job.rank(1)["chosen"] == chosen and sum(chosen["balance"]) == 4, chosen
+    assert job.output.count("schedule='auto' chose") == 1 and "runner-up" in job.output
+    m = chosen["n_microbatches"]
+    ref = reference(**{**common(AUTO), "batch": AUTO["batch"] // m, "accumulate": m})  # its micro-batches, one process
+    assert_state_equal(job.state(), ref["state"], 1e-5)
+    resumed = {**AUTO, "resume": str(job.out / "final.ckpt"), "max_epochs": 2, "strategy": "pipeline"}
+    again = ok(run_job(resumed, tmp_path / "b", timeout=300))
+    assert "The resumed checkpoint's choice stands" in again.output and "schedule='auto' chose" not in again.output
+    assert again.rank(0)["chosen"] == again.rank(1)["chosen"] == chosen
+
+
+def test_a_memory_limit_nothing_fits_under_is_refused_on_every_rank(tmp_path):
+    job = run_job({**AUTO, "memory_limit": 2**20, "strategy": "pipeline"}, tmp_path / "job", timeout=300)
+    assert job.returncode != 0
+    assert job.output.count("memory_limit=1048576 (1 MiB per rank): no layout is predicted to fit") >= 2, job.output[
+        -3000:
+    ]
+    assert "the smallest predicted peak is" in job.output
+
+
+def _costs(layers: int = 8, saved: int = 64 << 20) -> ModelCosts:
+    """Equal layers whose saved activations dominate: under 1F1B the first rank holds the most of them."""
+    n = layers + 2
+    zero = (0,) * n
+    segments = Segments(
+        size=1,
+        forward=(0.001,) * n,
+        backward=(0.002,) * n,
+        input_grad=(0.001,) * n,
+        weight_grad=(0.001,) * n,
+        saved_bytes=(0, *([saved] * layers), 0),
+        boundary_bytes=(1 << 20,) * n,
+        param_bytes=zero,
+    )
+    return ModelCosts((segments,), 0.0, 0.0)
+
+
+def test_a_memory_limit_moves_layers_off_the_ranks_that_hold_the_most_in_flight():
+    costs, machine = _costs(), Machine(1e-4, 1e9, 1e-4, 0.0, 0)
+    free = plan(costs, machine, 2, 4, schedules=["1f1b"], microbatches=[4], activation_checkpointing=[False],
+                data_parallel=["ddp"])  # fmt: skip
+    even = next(p for p in free if p.config.balance == (4, 4))
+    assert even.peak_bytes[0] > even.peak_bytes[1]  # rank 0 holds 2 micro-batches in flight, rank 1 one
+    limit = (even.peak_mib + max(p.peak_bytes[1] for p in free) / 2**20) / 2
+    capped = plan(costs, machine, 2, 4, limit, schedules=["1f1b"], microbatches=[4], activation_checkpointing=[False],
+                  data_parallel=["ddp"])  # fmt: skip
+    assert capped and all(p.peak_mib <= limit for p in capped)
+    best = capped[0].config
+    assert best.balance_mode == "memory" and best.balance[0] < best.balance[1], best
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(memory_limit="80%"), r"memory_limit='80%' with nothing to choose"),
+        (dict(schedule="auto", memory_limit="lots"), r"memory_limit='lots': give the bytes a rank may hold"),
+        (dict(schedule="auto", memory_limit=0), r"memory_limit=0: give the bytes"),
+        (dict(schedule="auto", tensor_parallel_size=2), r"the planner does not model tensor or expert parallelism"),
+    ],
+)
+def test_auto_arguments_that_cannot_work_are_refused_when_the_strategy_is_built(kwargs, message):
+    with pytest.raises(PipelineConfigError, match=message):
+        PipelineStrategy(**kwargs)
+
+
+def test_until_the_first_batch_auto_arguments_stand_in_as_one_stage_per_rank_under_1f1b():
+    strategy = PipelineStrategy(schedule="auto", memory_limit="80%")
+    o = strategy.options
+    assert (o.schedule, o.stages_per_rank, o.n_microbatches, o.balance) == ("1f1b", 1, None, None)
+    assert o.auto == {"schedule", "n_microbatches", "stages_per_rank", "balance"} and not o.planned
+    looped = PipelineStrategy(schedule="auto", stages_per_rank=4, n_microbatches=8).options
+    assert (looped.schedule, looped.stages_per_rank, looped.auto) == ("interleaved_1f1b", 4, {"schedule", "balance"})
