@@ -93,3 +93,13 @@ def test_until_the_first_batch_auto_arguments_stand_in_as_one_stage_per_rank_und
     assert o.auto == {"schedule", "n_microbatches", "stages_per_rank", "balance"} and not o.planned
     looped = PipelineStrategy(schedule="auto", stages_per_rank=4, n_microbatches=8).options
     assert (looped.schedule, looped.stages_per_rank, looped.auto) == ("interleaved_1f1b", 4, {"schedule", "balance"})
+
+
+def test_auto_on_a_traced_hf_llama_chooses_one_layout_and_trains_as_one_process(tmp_path, reference):
+    cfg = dict(AUTO, model="llama", split="trace", layers="model.model.layers", optimizer="sgd")
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    chosen = job.rank(0)["chosen"]
+    assert job.rank(1)["chosen"] == chosen and sum(chosen["balance"]) == 4, chosen
+    m = chosen["n_microbatches"]
+    ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})
+    assert_state_equal(job.state(), ref["state"], 1e-5)
