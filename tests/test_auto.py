@@ -5,11 +5,14 @@ keeps the choice under it or refuses on every rank."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import ok, run_job
+from models import TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal
 
 from lightning_pp import PipelineStrategy
+from lightning_pp.choose.costs import profile_module, save_costs, saved_costs
 from lightning_pp.choose.machine import Machine
 from lightning_pp.choose.planner import ModelCosts, plan
 from lightning_pp.errors import PipelineConfigError
@@ -103,3 +106,19 @@ def test_auto_on_a_traced_hf_llama_chooses_one_layout_and_trains_as_one_process(
     m = chosen["n_microbatches"]
     ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})
     assert_state_equal(job.state(), ref["state"], 1e-5)
+
+
+def test_a_models_measured_costs_are_kept_per_model_and_batch_shape(tmp_path, monkeypatch):
+    # a restarted run (no checkpoint yet) plans from what the first attempt measured
+    monkeypatch.setenv("LIGHTNING_PP_CACHE", str(tmp_path))
+    model = TinyGPT(n_layers=2)
+    batch = {"tokens": torch.zeros(4, 8, dtype=torch.long), "targets": torch.zeros(4, 8, dtype=torch.long)}
+    assert saved_costs(model, batch, "net.blocks") is None
+    costs = profile_module(model, batch, "net.blocks", [2, 4])
+    save_costs(costs, model, batch, "net.blocks")
+    assert saved_costs(model, batch, "net.blocks") == costs
+    longer = {k: torch.zeros(4, 16, dtype=torch.long) for k in batch}
+    assert (
+        saved_costs(model, longer, "net.blocks") is None
+        and saved_costs(TinyGPT(n_layers=3), batch, "net.blocks") is None
+    )

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from lightning_pp.checkpoints.restore import PendingRestore
-from lightning_pp.choose.costs import profile_module, profiled_sizes
+from lightning_pp.choose.costs import profile_module, profiled_sizes, save_costs, saved_costs
 from lightning_pp.choose.machine import STAND_IN, Machine, ping_pong, save_machine, saved_machine, with_messages
 from lightning_pp.choose.planner import Prediction, plan
 from lightning_pp.errors import PipelineConfigError
@@ -106,9 +106,13 @@ def _plan(
     # where the module is (the first batch is on the rank's device already); the batch may be the sanity check's,
     # made under inference mode: its copy is measured with gradients
     at = next(module.parameters()).device
-    with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
-        batch = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
-        costs = profile_module(module, batch, options.layers, profiled_sizes(size))
+    costs = saved_costs(module, batch, options.layers)  # a restart of this run measured it already
+    source = "this model's costs measured before on this host" if costs else "the first batch's costs"
+    if costs is None:
+        with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
+            copy = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
+            costs = profile_module(module, copy, options.layers, profiled_sizes(size))
+        save_costs(costs, module, batch, options.layers)
     if not fitted:  # the stand-in's base: this process without the model
         held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
         machine = replace(machine, base_bytes=max(_resident_bytes() - held, 0))
@@ -129,7 +133,7 @@ def _plan(
     action = "measured" if fitted else "this project's CPU figure (python -m lightning_pp.plan measures this machine's)"
     rank_zero_info(
         f"schedule='auto' chose {_describe_prediction(best)}{runner_up}. Planned in {time.perf_counter() - start:.1f} s"
-        f" over {len(ranked)} configurations from the first batch's costs; the runtime's cost per action was {action}."
+        f" over {len(ranked)} configurations from {source}; the runtime's cost per action was {action}."
     )
     return choice
 

@@ -4,17 +4,23 @@ step. The planner's app and schedule="auto" both start from them."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 import time
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
 import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
 
+from lightning_pp.choose.machine import cache_path, write_cache
 from lightning_pp.choose.planner import ModelCosts
 from lightning_pp.split.microbatch import batch_size_of, split_batch
-from lightning_pp.split.profiling import measure_segments, sum_of_outputs
+from lightning_pp.split.profiling import Segments, measure_segments, sum_of_outputs
 from lightning_pp.split.stage import find_layers, patched, resolve_layers
 
 
@@ -67,3 +73,28 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     if isinstance(configured, (list, tuple)) and configured:
         return _first_optimizer(configured[0])
     raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
+
+
+def _signature(module: nn.Module, batch: Any, layers: str) -> str:
+    """The model (its class, parameter names, shapes and dtypes), its layers and the batch's shapes."""
+    parts = [type(module).__qualname__, layers]
+    parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
+    parts += [f"{tuple(t.shape)}:{t.dtype}" for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def saved_costs(module: nn.Module, batch: Any, layers: str) -> ModelCosts | None:
+    """The costs measured for this model and batch shape on this host before (a restarted run's)."""
+    path = cache_path("costs", _signature(module, batch, layers))
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    measured = tuple(
+        Segments(**{k: tuple(v) if isinstance(v, list) else v for k, v in s.items()}) for s in saved["measured"]
+    )
+    return ModelCosts(measured, saved["optimizer_state_ratio"], saved["optimizer_s_per_byte"])
+
+
+def save_costs(costs: ModelCosts, module: nn.Module, batch: Any, layers: str) -> None:
+    write_cache(cache_path("costs", _signature(module, batch, layers)), asdict(costs))

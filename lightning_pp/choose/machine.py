@@ -1,4 +1,5 @@
-"""What the machine adds to a step whatever the model, and where schedule="auto" keeps it between runs.
+"""What the machine adds to a step whatever the model, and where schedule="auto" keeps it (and a model's measured
+costs, ``costs``) between runs.
 
 Messages are timed in the job itself (a ping-pong between two pipeline neighbours, a fraction of a second);
 the runtime's cost per action and per step needs short fits of a model of free layers, which only the planner's
@@ -15,6 +16,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,26 +61,30 @@ def ping_pong(
     return max(one_way[0] - per_byte * _SIZES[0], 0.0), 1.0 / per_byte
 
 
-def cache_path(accelerator: str) -> Path:
-    """One file per host and accelerator kind (``LIGHTNING_PP_CACHE`` moves the folder)."""
+def cache_path(kind: str, key: str) -> Path:
+    """One file per host and ``kind`` ("machine" per accelerator, "costs" per model signature);
+    ``LIGHTNING_PP_CACHE`` moves the folder."""
     folder = Path(os.environ.get("LIGHTNING_PP_CACHE", Path.home() / ".cache" / "lightning_pp"))
-    return folder / f"machine-{socket.gethostname()}-{accelerator}.json"
+    return folder / f"{kind}-{socket.gethostname()}-{key}.json"
 
 
 def saved_machine(accelerator: str) -> tuple[Machine | None, bool]:
     """The cached machine, and whether its runtime costs were fitted (by the calibration job) or stand in."""
     try:
-        saved = json.loads(cache_path(accelerator).read_text())
+        saved = json.loads(cache_path("machine", accelerator).read_text())
     except (OSError, ValueError):
         return None, False
     return Machine(**saved["machine"]), bool(saved["fitted"])
 
 
 def save_machine(machine: Machine, accelerator: str, fitted: bool = True) -> None:
-    path = cache_path(accelerator)
+    write_cache(cache_path("machine", accelerator), {"machine": asdict(machine), "fitted": fitted})
+
+
+def write_cache(path: Path, value: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}")
-    partial.write_text(json.dumps({"machine": asdict(machine), "fitted": fitted}))
+    partial.write_text(json.dumps(value))
     partial.replace(path)  # a concurrent reader sees the old file or the new one
 
 
