@@ -49,10 +49,10 @@ def chosen_options(
 ) -> PipelineOptions:
     """The options with what was "auto" chosen, the same on every rank: the choice of the checkpoint being resumed
     (``pending``) or rank 0's plan, its message to the next stage timed over the pipeline's ``group``."""
-    recorded = None if pending is None else _fits(pending.choice, layout)
-    if recorded is not None:
-        rank_zero_info(f"The resumed checkpoint's choice stands: {_describe(recorded)}.")
-        return replace(options, **recorded, planned=True)
+    resumed = _resumed(pending.choice if pending else None, options, layout)
+    if resumed is not None:
+        rank_zero_info(f"The resumed checkpoint's choice stands: {_describe(pending.choice or {})}.")
+        return resumed
     rank, device = dist.get_rank(), next(module.parameters()).device
     accelerator = "cuda" if torch.device(device).type == "cuda" else "cpu"
     cached, fitted = saved_machine(accelerator) if rank == 0 else (None, False)
@@ -77,11 +77,17 @@ def chosen_options(
     return replace(options, **outcome[0], planned=True)
 
 
-def _fits(recorded: Mapping[str, Any] | None, layout: Layout) -> Mapping[str, Any] | None:
-    """A recorded choice whose stages this layout can hold (a resume on other ranks chooses again)."""
-    if recorded is None or not isinstance(recorded.get("balance"), list):
-        return recorded
-    return recorded if len(recorded["balance"]) == layout.pp * recorded["stages_per_rank"] else None
+def _resumed(recorded: Mapping[str, Any] | None, options: PipelineOptions, layout: Layout) -> PipelineOptions | None:
+    """The options with a resumed checkpoint's choice of what is "auto" now; None (choose again) where it did not
+    record one, or its stages do not fit these ranks and the arguments given now."""
+    if recorded is None:
+        return None
+    try:
+        resumed = replace(options, **{k: v for k, v in recorded.items() if k in options.auto}, planned=True)
+    except PipelineConfigError:
+        return None
+    counts = resumed.balance
+    return None if isinstance(counts, list) and len(counts) != layout.pp * resumed.stages_per_rank else resumed
 
 
 def recorded_choice(options: PipelineOptions) -> dict[str, Any]:
