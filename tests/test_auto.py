@@ -122,3 +122,14 @@ def test_a_models_measured_costs_are_kept_per_model_and_batch_shape(tmp_path, mo
         saved_costs(model, longer, "net.blocks") is None
         and saved_costs(TinyGPT(n_layers=3), batch, "net.blocks") is None
     )
+
+
+def test_auto_costs_a_model_built_on_meta_in_flops_and_trains_as_one_process(tmp_path, reference):
+    cfg = dict(AUTO, model="init", build="init_module")
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    assert "FLOPs counted on meta" in job.output
+    chosen = job.rank(0)["chosen"]
+    assert job.rank(1)["chosen"] == chosen and job.rank(0)["meta_params"] == 0, chosen
+    m = chosen["n_microbatches"]
+    ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})
+    assert_state_equal(job.state(), ref["state"], 1e-5)

@@ -23,11 +23,19 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pp.checkpoints.restore import PendingRestore
-from lightning_pp.choose.costs import profile_module, profiled_sizes, save_costs, saved_costs
-from lightning_pp.choose.machine import STAND_IN, Machine, ping_pong, save_machine, saved_machine, with_messages
+from lightning_pp.choose.costs import counted_costs, profile_module, profiled_sizes, save_costs, saved_costs
+from lightning_pp.choose.machine import (
+    STAND_IN,
+    Machine,
+    matmul_rate,
+    ping_pong,
+    save_machine,
+    saved_machine,
+    with_messages,
+)
 from lightning_pp.choose.planner import Prediction, plan
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
@@ -71,6 +79,12 @@ def chosen_options(
             outcome = [_plan(module, batch, options, layout, machine, fitted)]
         except PipelineConfigError as error:
             outcome = [error]
+        except Exception as error:  # noqa: BLE001 (every rank stops with it, none waits for a choice)
+            outcome = [PipelineConfigError(
+                f"schedule='auto' could not measure the model on rank 0 ({type(error).__name__}: {error}); give the"
+                " schedule, n_microbatches and balance explicitly, or plan with python -m lightning_pp.plan."
+            )]  # fmt: skip
+            log.exception("Measuring the model for schedule='auto' failed")
     dist.broadcast_object_list(outcome, src=0)
     if isinstance(outcome[0], PipelineConfigError):
         raise outcome[0]
@@ -100,12 +114,6 @@ def recorded_choice(options: PipelineOptions) -> dict[str, Any]:
 def _plan(
     module: nn.Module, batch: Any, options: PipelineOptions, layout: Layout, machine: Machine, fitted: bool
 ) -> dict[str, Any]:
-    if any(p.is_meta for p in module.parameters()):
-        raise PipelineConfigError(
-            f"{sorted(options.auto)} given as 'auto' on a module built on meta: the choice measures the model's own"
-            " step on the first batch, which needs its weights. Build it on the CPU (the planner app,"
-            " python -m lightning_pp.plan, plans such a model from a smaller copy), or give these arguments."
-        )
     start = time.perf_counter()
     size = batch_size_of(batch)
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
@@ -114,15 +122,21 @@ def _plan(
     at = next(module.parameters()).device
     costs = saved_costs(module, batch, options.layers)  # a restart of this run measured it already
     source = "this model's costs measured before on this host" if costs else "the first batch's costs"
+    on_meta = any(p.is_meta for p in module.parameters())
+    if costs is None and on_meta:  # no weights to run: FLOPs counted, at the rate of a matmul on the rank's device
+        rate = matmul_rate(_device_of(batch), next(module.parameters()).dtype)
+        costs = counted_costs(module, batch, options.layers, profiled_sizes(size), rate)
+        source = f"the first batch's FLOPs counted on meta at {rate / 1e9:.0f} GFLOP/s"
+        save_costs(costs, module, batch, options.layers)
     if costs is None:
         with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
             copy = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
             costs = profile_module(module, copy, options.layers, profiled_sizes(size))
         save_costs(costs, module, batch, options.layers)
     if not fitted:  # the stand-in's base: this process without the model
-        held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+        held = 0 if on_meta else sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
         machine = replace(machine, base_bytes=max(_resident_bytes() - held, 0))
-    limit = _limit_mib(options, next(module.parameters()).device, layout)
+    limit = _limit_mib(options, _device_of(batch), layout)
     ranked = [p for p in plan(costs, machine, layout.pp * layout.dp, size, limit, **_choices(options, layout, size))
               if _keeps(p, options)]  # fmt: skip
     if not ranked:
@@ -223,6 +237,11 @@ def _describe_prediction(p: Prediction) -> str:
 
 def _describe(fields: Mapping[str, Any]) -> str:
     return ", ".join(f"{k}={v!r}" for k, v in fields.items())
+
+
+def _device_of(batch: Any) -> torch.device:
+    """The rank's device: where Lightning put the batch."""
+    return next((t.device for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
 def _resident_bytes() -> int:

@@ -1,9 +1,10 @@
 """A model's costs measured in this process: each layer's forward, backward and split backward at several
 micro-batch sizes cut from a real batch, the activations it saves, its parameters, and its optimizer's state and
-step. The planner's app and schedule="auto" both start from them."""
+step (or, for a model built on meta, its FLOPs counted). The planner's app and schedule="auto" start from them."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import statistics
@@ -15,12 +16,12 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pp.choose.machine import cache_path, write_cache
 from lightning_pp.choose.planner import ModelCosts
 from lightning_pp.split.microbatch import batch_size_of, split_batch
-from lightning_pp.split.profiling import Segments, measure_segments, sum_of_outputs
+from lightning_pp.split.profiling import Segments, count_segments, measure_segments, sum_of_outputs
 from lightning_pp.split.stage import find_layers, patched, resolve_layers
 
 
@@ -36,6 +37,22 @@ def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Se
             measured.append(measure_segments(module, blocks, lambda micro=micro: module.training_step(micro, 0), size))
         ratio, seconds = _optimizer_costs(module, lambda: module.training_step(split_batch(batch, full)[0], 0))
     return ModelCosts(tuple(measured), ratio, seconds)
+
+
+def counted_costs(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int], rate: float) -> ModelCosts:
+    """A module built on meta: the FLOPs of its own step counted on meta at micro-batches of ``sizes`` samples,
+    at ``rate`` FLOP/s (a matmul's on the rank's device; memory-bound work is missed); the optimizer costed as
+    Adam's state and no time."""
+    blocks = find_layers(module, resolve_layers(module, layers))
+    full = batch_size_of(batch)
+    on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
+    measured = []
+    with patched(module, log=lambda *_, **__: None):
+        for size in sorted(set(sizes)):
+            micro = split_batch(on_meta, full // size)[0]
+            step = functools.partial(module.training_step, micro, 0)
+            measured.append(count_segments(module, blocks, step, size, rate))
+    return ModelCosts(tuple(measured))
 
 
 def profiled_sizes(batch_size: int) -> list[int]:

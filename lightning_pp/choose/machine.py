@@ -61,6 +61,21 @@ def ping_pong(
     return max(one_way[0] - per_byte * _SIZES[0], 0.0), 1.0 / per_byte
 
 
+def matmul_rate(device: torch.device, dtype: torch.dtype) -> float:
+    """FLOP/s a square matmul reaches on ``device``: what a model built on meta is costed at (its FLOPs counted)."""
+    n = 2048 if device.type == "cuda" else 256
+    a = torch.ones(n, n, device=device, dtype=dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times = []
+    for _ in range(6):
+        sync()
+        start = time.perf_counter()
+        a @ a
+        sync()
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times[1:])
+
+
 def cache_path(kind: str, key: str) -> Path:
     """One file per host and ``kind`` ("machine" per accelerator, "costs" per model signature);
     ``LIGHTNING_PP_CACHE`` moves the folder."""

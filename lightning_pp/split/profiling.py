@@ -254,6 +254,28 @@ def measure_segments(
     )
 
 
+def count_segments(
+    module: nn.Module, layers: Mapping[str, nn.Module], run_step: Callable[[], Any], size: int, flops_per_s: float
+) -> Segments:
+    """``measure_segments`` for a module (and batch) on meta: FLOPs of each segment's forward and backward at
+    ``flops_per_s``, the backward's input and weight halves taken equal; saved bytes counted as they are."""
+    meta = torch.device("meta")
+    with _untouched(module, meta), _SavedBytes(module, layers) as counted, FlopCounterMode(display=False) as counter:
+        run = _timed_run(layers, run_step, lambda: float(counter.get_total_flops()))
+    seconds = [tuple(f / flops_per_s for f in flops) for flops in (run.forward, run.backward)]
+    half = tuple(b / 2 for b in seconds[1])
+    return Segments(
+        size=size,
+        forward=seconds[0],
+        backward=seconds[1],
+        input_grad=half,
+        weight_grad=half,
+        saved_bytes=tuple(counted.saved),
+        boundary_bytes=tuple(counted.boundary),
+        param_bytes=tuple(counted.param_bytes(module)),
+    )
+
+
 @contextlib.contextmanager
 def _layer_inputs(layers: Mapping[str, nn.Module], into: dict[int, tuple[tuple, dict]]) -> Iterator[None]:
     """Detached copies of what each layer receives, for running it alone."""
