@@ -36,7 +36,7 @@ from lightning_pp.choose.machine import (
     saved_machine,
     with_messages,
 )
-from lightning_pp.choose.planner import Prediction, plan
+from lightning_pp.choose.planner import ModelCosts, Prediction, plan
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import PipelineOptions, memory_limit_bytes
@@ -116,25 +116,9 @@ def _plan(
 ) -> dict[str, Any]:
     start = time.perf_counter()
     size = batch_size_of(batch)
-    gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-    # where the module is (the first batch is on the rank's device already); the batch may be the sanity check's,
-    # made under inference mode: its copy is measured with gradients
-    at = next(module.parameters()).device
-    costs = saved_costs(module, batch, options.layers)  # a restart of this run measured it already
-    source = "this model's costs measured before on this host" if costs else "the first batch's costs"
-    on_meta = any(p.is_meta for p in module.parameters())
-    if costs is None and on_meta:  # no weights to run: FLOPs counted, at the rate of a matmul on the rank's device
-        rate = matmul_rate(_device_of(batch), next(module.parameters()).dtype)
-        costs = counted_costs(module, batch, options.layers, profiled_sizes(size), rate)
-        source = f"the first batch's FLOPs counted on meta at {rate / 1e9:.0f} GFLOP/s"
-        save_costs(costs, module, batch, options.layers)
-    if costs is None:
-        with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
-            copy = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
-            costs = profile_module(module, copy, options.layers, profiled_sizes(size))
-        save_costs(costs, module, batch, options.layers)
+    costs, source = _model_costs(module, batch, options.layers, size)
     if not fitted:  # the stand-in's base: this process without the model
-        held = 0 if on_meta else sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+        held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
         machine = replace(machine, base_bytes=max(_resident_bytes() - held, 0))
     limit = _limit_mib(options, _device_of(batch), layout)
     ranked = [p for p in plan(costs, machine, layout.pp * layout.dp, size, limit, **_choices(options, layout, size))
@@ -156,6 +140,27 @@ def _plan(
         f" over {len(ranked)} configurations from {source}; the runtime's cost per action was {action}."
     )
     return choice
+
+
+def _model_costs(module: nn.Module, batch: Any, layers: str, size: int) -> tuple[ModelCosts, str]:
+    """The model's costs, and where they come from: this host's cache (a restarted run), its FLOPs counted on meta
+    (no weights to run), or its own step measured on a copy of the batch (the sanity check's is made under inference
+    mode) where the module is."""
+    costs = saved_costs(module, batch, layers)
+    if costs is not None:
+        return costs, "this model's costs measured before on this host"
+    if any(p.is_meta for p in module.parameters()):
+        rate = matmul_rate(_device_of(batch), next(module.parameters()).dtype)
+        costs = counted_costs(module, batch, layers, profiled_sizes(size), rate)
+        source = f"the first batch's FLOPs counted on meta at {rate / 1e9:.0f} GFLOP/s"
+    else:
+        at = next(module.parameters()).device
+        gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+        with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
+            copy = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
+            costs, source = profile_module(module, copy, layers, profiled_sizes(size)), "the first batch's costs"
+    save_costs(costs, module, batch, layers)
+    return costs, source
 
 
 def _choices(options: PipelineOptions, layout: Layout, size: int) -> dict[str, Any]:
