@@ -9,7 +9,7 @@ import torch
 from conftest import ok, run_job
 from models import TinyGPT
 from test_parity import common
-from test_tied import assert_state_equal
+from test_tied import assert_state_equal, combined
 
 from lightning_pp import PipelineStrategy
 from lightning_pp.choose.costs import profile_module, save_costs, saved_costs
@@ -33,6 +33,15 @@ def test_auto_chooses_one_layout_for_every_rank_trains_as_one_process_and_resume
     again = ok(run_job(resumed, tmp_path / "b", timeout=300))
     assert "The resumed checkpoint's choice stands" in again.output and "schedule='auto' chose" not in again.output
     assert again.rank(0)["chosen"] == again.rank(1)["chosen"] == chosen
+
+
+def test_auto_with_replicas_chooses_one_layout_for_all_four_ranks(tmp_path, reference):
+    # 2 replicas x 2 stages: each replica's pipeline times its own message, rank 0's choice reaches all four
+    cfg = dict(AUTO, devices=4, pp=2, batch=4, n_train=24)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    chosen = job.rank(0)["chosen"]
+    assert all(job.rank(r)["chosen"] == chosen for r in range(4)), [job.rank(r)["chosen"] for r in range(4)]
+    assert_state_equal(job.state(), reference(**combined(cfg))["state"], 1e-5)
 
 
 def test_a_memory_limit_nothing_fits_under_is_refused_on_every_rank(tmp_path):
