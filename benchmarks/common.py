@@ -33,7 +33,9 @@ def launch(script: str, *args: Any, extra: str | None = None, ranks: int | None 
     under torchrun on ``ranks`` local processes (as the tutorial launches), or as one plain process."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(HERE)}
+        # benchmarks/ first, then the caller's path (a checkout of lightning_pp put there runs, not an installed one)
+        path = os.pathsep.join([str(HERE), *filter(None, [os.environ.get("PYTHONPATH")])])
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
         launcher = (
             [] if ranks is None else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
         )

@@ -2,17 +2,22 @@
 
     run_strategy.py SCHEDULE M STEPS OUT [OPTIONS_JSON]
 
-OPTIONS_JSON may set ``shape`` (a model of ``shapes.py``, the GPT by default), ``balance``, ``vocab`` (a heavier
+SCHEDULE and M may be ``auto`` (``PipelineStrategy(schedule="auto")`` leaves the micro-batches, balance and stages
+per rank unset unless OPTIONS_JSON gives them, so the first batch chooses them too). OPTIONS_JSON may set ``shape``
+(a model of ``shapes.py``, the GPT by default), ``balance``, ``stages_per_rank``, ``vocab`` (a heavier
 head), ``activation_checkpointing``, ``compile``, ``monitor`` (PipelineMonitor on: the measured bubble of each step is
 written too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last). Writes the wall
 times between consecutive training-batch ends on rank 0 (and the first batch's start) to the JSON file OUT, every
 rank's minor page faults and system CPU seconds at each of them, and every rank's peak resident memory growth during
-``fit``.
+``fit`` (and the absolute peak, and the resident memory before ``fit``); with something given as "auto", the options
+the first batch chose (``trainer.strategy.options`` on rank 0) and what rank 0 logged of the plan.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
 import time
 
@@ -65,8 +70,31 @@ class BatchEnds(L.Callback):
             self.bubbles.append(float(trainer.callback_metrics["pipeline/bubble"]))
 
 
+class PlanLog(logging.Handler):
+    """Rank 0's line of schedule="auto": what it predicted of its choice and how long planning took."""
+
+    PATTERN = re.compile(
+        r"chose .*?\(predicted step ([\d.]+) s, peak (\d+) MiB per rank\).*Planned in ([\d.]+) s over (\d+)"
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: dict = {}
+
+    def emit(self, record: logging.LogRecord) -> None:
+        line = record.getMessage()
+        match = self.PATTERN.search(line)
+        if match:
+            step, peak, planned, n = match.groups()
+            self.found = {"predicted_step_s": float(step), "predicted_peak_mib": float(peak),
+                          "planning_s": float(planned), "configurations": int(n), "line": line}  # fmt: skip
+
+
 if __name__ == "__main__":
-    schedule, m, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    schedule, m, steps, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+    m = m if m == "auto" else int(m)
+    plan_log = PlanLog()
+    logging.getLogger("lightning.pytorch").addHandler(plan_log)
     options = json.loads(sys.argv[5]) if len(sys.argv) > 5 else {}
     shape = options.get("shape", "gpt")
     model = {**MODEL, "vocab": options.get("vocab", MODEL["vocab"])}
@@ -80,17 +108,25 @@ if __name__ == "__main__":
     recompute = options.get("activation_checkpointing", False)
     trainer = pipeline_trainer(
         schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute,
-        compile=options.get("compile", False),
+        compile=options.get("compile", False), stages_per_rank=options.get("stages_per_rank"),
     )  # fmt: skip
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here
     before = proc_kib("VmRSS:")
     trainer.fit(net, loader)
     peaks: list = [None] * trainer.world_size
     torch.distributed.all_gather_object(peaks, (proc_kib("VmHWM:") - before) / 1024)
+    absolute: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(absolute, (proc_kib("VmHWM:") / 1024, before / 1024))
     faults: list = [None] * trainer.world_size
     torch.distributed.all_gather_object(faults, ends.faults)
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             split = list(trainer.strategy.placement.counts)
+            chosen = {
+                name: getattr(trainer.strategy.options, name)
+                for name in ("schedule", "n_microbatches", "stages_per_rank", "balance", "activation_checkpointing")
+            }
             json.dump({"start": ends.start, "ends": ends.ends, "faults": faults, "bubbles": ends.bubbles,
-                       "layers_per_stage": split, "peak_mib": peaks}, f)  # fmt: skip
+                       "layers_per_stage": split, "peak_mib": peaks, "hwm_mib": [a[0] for a in absolute],
+                       "rss_before_fit_mib": [a[1] for a in absolute], "options": chosen,
+                       "auto": sorted(trainer.strategy.options.auto), "plan": plan_log.found}, f)  # fmt: skip

@@ -43,6 +43,21 @@ def _mlp(dim: int, n_layers: int) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(dim, dim), nn.ReLU()) for _ in range(n_layers)]
 
 
+class Residual(nn.Module):
+    """``h + Linear(ReLU(Linear(h)))`` with a hidden width of its own."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Linear(dim, hidden), nn.ReLU(), nn.Linear(hidden, dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.mlp(h)
+
+
+# the uneven stack's hidden widths: two blocks cost 8x the others, both in the second half
+UNEVEN_WIDTHS = (512, 512, 512, 512, 4096, 4096, 512, 512)
+
+
 # name: (build, input shape of one batch); every batch is BATCH samples unless the shape says otherwise
 SHAPES: dict[str, dict[str, Any]] = {
     "gpt": {"about": "the design card's GPT (8 blocks, d=256, ff 1024, vocab 1000), AdamW", "input": None},
@@ -60,6 +75,11 @@ SHAPES: dict[str, dict[str, Any]] = {
         "about": "activations >> weights: 8 Linear 128x128, 16384 samples (8 MiB per activation), SGD",
         "build": lambda: _mlp(128, 8),
         "input": (16384, 128),
+    },
+    "uneven": {
+        "about": f"uneven layers: 8 residual MLP blocks d=256, hidden widths {list(UNEVEN_WIDTHS)}, 32 tokens, SGD",
+        "build": lambda: [Residual(256, width) for width in UNEVEN_WIDTHS],
+        "input": (BATCH, 32, 256),
     },
 }
 
