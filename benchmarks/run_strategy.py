@@ -28,6 +28,7 @@ from shapes import build, data
 from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineMonitor
+from lightning_pp.choose.auto import CHOSEN
 from lightning_pp.examples.gpt import GPT
 from lightning_pp.runtime.telemetry import gantt_png
 
@@ -122,10 +123,7 @@ if __name__ == "__main__":
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             split = list(trainer.strategy.placement.counts)
-            chosen = {
-                name: getattr(trainer.strategy.options, name)
-                for name in ("schedule", "n_microbatches", "stages_per_rank", "balance", "activation_checkpointing")
-            }
+            chosen = {name: getattr(trainer.strategy.options, name) for name in CHOSEN}
             json.dump({"start": ends.start, "ends": ends.ends, "faults": faults, "bubbles": ends.bubbles,
                        "layers_per_stage": split, "peak_mib": peaks, "hwm_mib": [a[0] for a in absolute],
                        "rss_before_fit_mib": [a[1] for a in absolute], "options": chosen,
