@@ -181,6 +181,27 @@ def predict(config: Config, costs: ModelCosts, machine: Machine, batch_size: int
         v,
         timeline=False,
     )
+    peaks, saved, mine = _memory(config, costs, machine, batch_size, devices)
+    dp = devices // pp
+    # a ring all-reduce, or FSDP's all-gather and reduce-scatter: the same bytes on the wire
+    finish = [
+        costs.optimizer_s_per_byte * b
+        + (0.0 if dp == 1 else 2 * (dp - 1) * (machine.latency_s + b / dp / machine.bandwidth_bytes_per_s))
+        for b in mine
+    ]
+    step = sim.step_s + max(finish) + machine.step_overhead_s
+    return Prediction(config, step, dp * batch_size / step, tuple(peaks), tuple(saved), tuple(sim.bubble), sim)
+
+
+def _memory(
+    config: Config, costs: ModelCosts, machine: Machine, batch_size: int, devices: int
+) -> tuple[list[int], list[int], list[int]]:
+    """Per pipeline rank: its peak bytes (parameters, gradients, optimizer state, activations, base), the peak of
+    its saved activations, and its parameter bytes."""
+    pp, v, m = config.pipeline_parallel_size, config.stages_per_rank, config.n_microbatches
+    segments = costs.at(batch_size // m)
+    stages = _stage_segments(config.balance, costs.n_layers)
+    recomputed = set(range(1, costs.n_layers + 1)) if config.activation_checkpointing else set()
     params = [sum(segments.param_bytes[k] for k in ks) for ks in stages]
     held = [
         sum(segments.boundary_bytes[k - 1] if k in recomputed else segments.saved_bytes[k] for k in ks) for ks in stages
@@ -188,19 +209,15 @@ def predict(config: Config, costs: ModelCosts, machine: Machine, batch_size: int
     # recomputing a layer holds its whole activations again for the length of its backward
     transient = max((segments.saved_bytes[k] for k in recomputed), default=0)
     dp = devices // pp
+    # FSDP2 keeps a stage unsharded for the step (fsdp_reshard="step"): what it shards is the optimizer state
+    state = costs.optimizer_state_ratio / (dp if config.data_parallel == "fsdp" else 1)
     actions = rank_actions(config.schedule, pp, m, v)
-    peaks, saved, finish = [], [], []
+    peaks, saved, mine = [], [], []
     for r in range(pp):
-        mine = sum(params[s] for s in stages_of_rank(config.schedule, r, pp, v))
+        mine.append(sum(params[s] for s in stages_of_rank(config.schedule, r, pp, v)))
         saved.append(int(activation_peak(actions[r], held) + transient))
-        # FSDP2 keeps a stage unsharded for the step (fsdp_reshard="step"): what it shards is the optimizer state
-        state = costs.optimizer_state_ratio / (dp if config.data_parallel == "fsdp" else 1)
-        peaks.append(int(machine.base_bytes + mine * (2 + state) + saved[-1]))
-        # a ring all-reduce, or FSDP's all-gather and reduce-scatter: the same bytes on the wire
-        reduce_s = 0.0 if dp == 1 else 2 * (dp - 1) * (machine.latency_s + mine / dp / machine.bandwidth_bytes_per_s)
-        finish.append(costs.optimizer_s_per_byte * mine + reduce_s)
-    step = sim.step_s + max(finish) + machine.step_overhead_s
-    return Prediction(config, step, dp * batch_size / step, tuple(peaks), tuple(saved), tuple(sim.bubble), sim)
+        peaks.append(int(machine.base_bytes + mine[-1] * (2 + state) + saved[-1]))
+    return peaks, saved, mine
 
 
 def plan(
@@ -214,44 +231,45 @@ def plan(
     """Every configuration (``configurations``' keyword ``choices`` narrow it), each with a uniform balance and,
     where different, the balance that evens out the predicted stage costs; best throughput first, those over
     ``memory_limit_mib`` on any rank dropped."""
-    predictions = []
+    predictions, seen = [], set()
     for config in configurations(costs.n_layers, devices, batch_size, **choices):  # type: ignore[arg-type]
         balanced = _balanced(config, costs.at(batch_size // config.n_microbatches))
         for candidate in [config] + ([balanced] if balanced.balance != config.balance else []):
-            prediction = predict(candidate, costs, machine, batch_size, devices)
-            if memory_limit_mib is not None and prediction.peak_mib > memory_limit_mib:
-                prediction = _under(memory_limit_mib, prediction, costs, machine, batch_size, devices)
-            if prediction is not None and prediction not in predictions:
-                predictions.append(prediction)
+            if memory_limit_mib is not None:
+                candidate = _under(memory_limit_mib, candidate, costs, machine, batch_size, devices)
+            if candidate is not None and candidate not in seen:
+                seen.add(candidate)
+                predictions.append(predict(candidate, costs, machine, batch_size, devices))
     return sorted(predictions, key=lambda p: (-p.samples_per_s, p.peak_mib))
 
 
 def _under(
-    limit_mib: float, over: Prediction, costs: ModelCosts, machine: Machine, batch_size: int, devices: int
-) -> Prediction | None:
-    """``over``'s layers moved, one at a time, off the rank predicted to peak highest (under 1F1B the first
-    ranks hold the most micro-batches in flight) onto a neighbouring stage, until the peak fits ``limit_mib``;
-    None where no stage has a layer to spare."""
-    config, prediction = over.config, over
-    pp, v = config.pipeline_parallel_size, config.stages_per_rank
-    for _ in range(costs.n_layers * len(config.balance)):
-        if prediction.peak_mib <= limit_mib:
-            return prediction
-        peak_rank = max(range(pp), key=lambda r: prediction.peak_bytes[r])
-        counts = list(prediction.config.balance)
-        mine = [s for s in stages_of_rank(config.schedule, peak_rank, pp, v) if counts[s] > 1]
+    limit_mib: float, config: Config, costs: ModelCosts, machine: Machine, batch_size: int, devices: int
+) -> Config | None:
+    """``config``, or its layers moved one at a time off the rank predicted to peak highest (under 1F1B the first
+    ranks hold the most micro-batches in flight) onto a neighbouring stage until every rank's peak fits
+    ``limit_mib``; None where no such move is left. Memory only: no schedule is simulated on the way."""
+    pp = config.pipeline_parallel_size
+    for _ in range(costs.n_layers):
+        peaks = _memory(config, costs, machine, batch_size, devices)[0]
+        if max(peaks) <= limit_mib * _MIB:
+            return config
+        top = max(range(pp), key=lambda r: peaks[r])
+        counts = list(config.balance)
+        mine = [s for s in stages_of_rank(config.schedule, top, pp, config.stages_per_rank) if counts[s] > 1]
         if not mine:
             return None
         stage = max(mine, key=lambda s: counts[s])
         # to the neighbour whose rank peaks lower
-        targets = [t for t in (stage - 1, stage + 1) if 0 <= t < len(counts)]
-        target = min(targets, key=lambda t: prediction.peak_bytes[rank_of_stage(config.schedule, t, pp)])
-        if rank_of_stage(config.schedule, target, pp) == peak_rank:
+        target = min(
+            (t for t in (stage - 1, stage + 1) if 0 <= t < len(counts)),
+            key=lambda t: peaks[rank_of_stage(config.schedule, t, pp)],
+        )
+        if rank_of_stage(config.schedule, target, pp) == top:
             return None
         counts[stage], counts[target] = counts[stage] - 1, counts[target] + 1
-        moved = replace(prediction.config, balance=tuple(counts), balance_mode="memory")
-        prediction = predict(moved, costs, machine, batch_size, devices)
-    return prediction if prediction.peak_mib <= limit_mib else None
+        config = replace(config, balance=tuple(counts), balance_mode="memory")
+    return config if max(_memory(config, costs, machine, batch_size, devices)[0]) <= limit_mib * _MIB else None
 
 
 def _balanced(config: Config, segments: Segments) -> Config:
