@@ -36,7 +36,7 @@ from lightning_pp.choose.machine import (
     saved_machine,
     with_messages,
 )
-from lightning_pp.choose.planner import ModelCosts, Prediction, plan
+from lightning_pp.choose.planner import Config, ModelCosts, Prediction, plan
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import PipelineOptions, memory_limit_bytes
@@ -61,14 +61,14 @@ def chosen_options(
     if resumed is not None:
         rank_zero_info(f"The resumed checkpoint's choice stands: {_describe(pending.choice or {})}.")
         return resumed
-    rank, device = dist.get_rank(), next(module.parameters()).device
-    accelerator = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    rank, device = dist.get_rank(), _device_of(batch)  # the rank's device (the module may still be on the CPU)
+    accelerator = "cuda" if device.type == "cuda" else "cpu"
     cached, fitted = saved_machine(accelerator) if rank == 0 else (None, False)
     measure = [cached is None]
     dist.broadcast_object_list(measure, src=0)  # rank 0's cache decides for the pair
     messages = None
     if measure[0] and layout.pp > 1:  # each replica's pipeline times its own; replica 0's counts
-        messages = ping_pong(layout.stage_rank(0), layout.stage_rank(1), torch.device(device), group)
+        messages = ping_pong(layout.stage_rank(0), layout.stage_rank(1), device, group)
     if rank != 0:
         outcome: list[Any] = [None]
     else:
@@ -121,18 +121,11 @@ def _plan(
         held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
         machine = replace(machine, base_bytes=max(_resident_bytes() - held, 0))
     limit = _limit_mib(options, _device_of(batch), layout)
-    ranked = [p for p in plan(costs, machine, layout.pp * layout.dp, size, limit, **_choices(options, layout, size))
-              if _keeps(p, options)]  # fmt: skip
+    ranked = _ranked(costs, machine, options, layout, size, limit)
     if not ranked:
         raise _nothing_fits(options, costs, machine, layout, size, limit)
     best = ranked[0]
-    choice = {
-        "schedule": best.config.schedule,
-        "n_microbatches": best.config.n_microbatches,
-        "stages_per_rank": best.config.stages_per_rank,
-        "balance": list(best.config.balance) if "balance" in options.auto else options.balance,
-        "activation_checkpointing": best.config.activation_checkpointing,
-    }
+    choice = {**_fields(best.config), **({} if "balance" in options.auto else {"balance": options.balance})}
     runner_up = f"; runner-up: {_describe_prediction(ranked[1])}" if len(ranked) > 1 else ""
     action = "measured" if fitted else "this project's CPU figure (python -m lightning_pp.plan measures this machine's)"
     rank_zero_info(
@@ -221,10 +214,9 @@ def _limit_mib(options: PipelineOptions, device: torch.device, layout: Layout) -
 
 
 def _nothing_fits(
-    options: PipelineOptions, costs: Any, machine: Machine, layout: Layout, size: int, limit: float | None
+    options: PipelineOptions, costs: ModelCosts, machine: Machine, layout: Layout, size: int, limit: float | None
 ) -> PipelineConfigError:
-    every = [p for p in plan(costs, machine, layout.pp * layout.dp, size, None, **_choices(options, layout, size))
-             if _keeps(p, options)]  # fmt: skip
+    every = _ranked(costs, machine, options, layout, size, None)
     if limit is None or not every:
         given = _describe({k: getattr(options, k) for k in CHOSEN if k not in options.auto})
         return PipelineConfigError(
@@ -239,11 +231,21 @@ def _nothing_fits(
     )
 
 
+def _ranked(
+    costs: ModelCosts, machine: Machine, options: PipelineOptions, layout: Layout, size: int, limit: float | None
+) -> list[Prediction]:
+    """Every configuration for these ranks that honours what was given, best first (under ``limit`` MiB)."""
+    every = plan(costs, machine, layout.pp * layout.dp, size, limit, **_choices(options, layout, size))
+    return [p for p in every if _keeps(p, options)]
+
+
+def _fields(config: Config) -> dict[str, Any]:
+    """The strategy's arguments that run ``config``."""
+    return {name: list(config.balance) if name == "balance" else getattr(config, name) for name in CHOSEN}
+
+
 def _describe_prediction(p: Prediction) -> str:
-    c = p.config
-    fields = {"schedule": c.schedule, "n_microbatches": c.n_microbatches, "stages_per_rank": c.stages_per_rank,
-              "balance": list(c.balance), "activation_checkpointing": c.activation_checkpointing}  # fmt: skip
-    return f"{_describe(fields)} (predicted step {p.step_s:.3f} s, peak {p.peak_mib:.0f} MiB per rank)"
+    return f"{_describe(_fields(p.config))} (predicted step {p.step_s:.3f} s, peak {p.peak_mib:.0f} MiB per rank)"
 
 
 def _describe(fields: Mapping[str, Any]) -> str:

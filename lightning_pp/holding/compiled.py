@@ -13,13 +13,15 @@ from typing import Any
 
 from torch import nn
 
+from lightning_pp.split.stage import is_compiled
+
 Hook = Callable[[Mapping[str, nn.Module]], None]  # something done to each layer of a stage
 
 
 def compile_layers(layers: Mapping[str, nn.Module | None], options: Mapping[str, Any]) -> None:
     """Compile each layer in place with ``torch.compile``'s ``options`` (``mode``, ``dynamic``, ...)."""
     for layer in layers.values():
-        if layer is not None and getattr(layer, "_compiled_call_impl", None) is None:
+        if layer is not None and not is_compiled(layer):
             layer.compile(**options)
 
 

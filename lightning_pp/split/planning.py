@@ -31,6 +31,7 @@ from lightning_pp.split.profiling import agree, count_flops, describe_costs, pro
 from lightning_pp.split.stage import (
     Placement,
     find_layers,
+    is_compiled,
     model_entries,
     plan_placement,
     resolution_note,
@@ -118,7 +119,7 @@ def _learn_by_pruning(
 def check_module(module: LightningModule, layers: str, balance: Balance, n_stages: int) -> None:
     """What the module's structure allows, checked on every rank before any collective."""
     path = resolve_layers(module, layers)
-    whole = [n or "the LightningModule" for n, m in module.named_modules() if getattr(m, "_compiled_call_impl", None)
+    whole = [n or "the LightningModule" for n, m in module.named_modules() if is_compiled(m)
              and (not n or path == n or path.startswith(n + "."))]  # fmt: skip
     if whole:
         raise PipelineConfigError(

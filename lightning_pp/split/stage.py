@@ -65,6 +65,11 @@ def find_layers(module: nn.Module, path: str) -> Layers:
     )
 
 
+def is_compiled(module: nn.Module) -> bool:
+    """``module.compile()`` was called: its calls run through dynamo (``nn.Module.compile`` keeps it in place)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def resolve_layers(module: nn.Module, path: str) -> str:
     """``path`` as the module's own qualified name of its layer container: a wrapper such as peft's puts steps
     into the names (``model.base_model.model.model.layers`` for ``self.model = get_peft_model(llama, config)``)
