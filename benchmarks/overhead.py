@@ -5,8 +5,10 @@
 Each model of ``shapes.py`` (weights large beside activations and the reverse, plain TransformerEncoderLayers,
 the design card's GPT), each schedule, m=8, 2 stages, one thread per rank, both sides launched with torchrun
 with no allocator variables set; the strategy's and the raw script's runs alternate, and each run reports
-its median step time after the warm-up and its ranks' minor page faults per step. The ratio is of the
-medians over rounds; the spread is (max - min) / median of each side's rounds. Writes
+its median step time after the warm-up and its ranks' minor page faults per step. The ratio is the median over
+rounds of each round's strategy / raw (the two runs of a round are adjacent in time: this VM's speed drifts by
+10-30% between minutes, more than it does within a round); the spread is (max - min) / median of each side's
+rounds. A shape may ask for more steps (``SHAPES[shape]["steps"]``) where its step is short. Writes
 benchmarks/results/overhead.json and prints a Markdown table.
 """
 
@@ -48,14 +50,15 @@ def main() -> None:
             faults: dict[str, list[float]] = {"strategy": [], "raw": []}
             for _ in range(args.rounds):  # alternate: the machine is noisy
                 for name, script in (("strategy", "run_strategy.py"), ("raw", "run_raw.py")):
-                    step, fault = timed_run(script, shape, schedule, args.m, args.steps)
+                    step, fault = timed_run(script, shape, schedule, args.m, SHAPES[shape].get("steps", args.steps))
                     times[name].append(step)
                     faults[name].append(fault)
             row = {
                 "shape": shape, "about": SHAPES[shape]["about"], "schedule": schedule,
                 "step_s": {name: median_spread(values) for name, values in times.items()},
                 "faults_per_step": {name: statistics.median(values) for name, values in faults.items()},
-                "ratio": statistics.median(times["strategy"]) / statistics.median(times["raw"]),
+                "ratio": statistics.median(s / r for s, r in zip(times["strategy"], times["raw"])),
+                "ratio_of_medians": statistics.median(times["strategy"]) / statistics.median(times["raw"]),
                 "spread": {name: spread(values) for name, values in times.items()},
             }  # fmt: skip
             rows.append(row)
@@ -64,7 +67,9 @@ def main() -> None:
         "benchmark": "overhead",
         "machine": machine(),
         "config": {"n_microbatches": args.m, "stages": 2, "threads_per_rank": 1, "rounds": args.rounds,
-                   "measured_steps_per_run": args.steps - WARMUP - 1},
+                   "measured_steps_per_run": {shape: SHAPES[shape].get("steps", args.steps) - WARMUP - 1
+                                              for shape in args.shapes.split(",")},
+                   "ratio": "median over rounds of strategy / raw within the round"},
         "runs": rows,
     }  # fmt: skip
     (RESULTS / "overhead.json").write_text(json.dumps(result, indent=1))

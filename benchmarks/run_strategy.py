@@ -72,10 +72,14 @@ class BatchEnds(L.Callback):
 
 
 class PlanLog(logging.Handler):
-    """Rank 0's line of schedule="auto": what it predicted of its choice and how long planning took."""
+    """Rank 0's lines of schedule="auto": what it predicted of its choice and how long planning took, and what its
+    first steps measured against that."""
 
     PATTERN = re.compile(
         r"chose .*?\(predicted step ([\d.]+) s, peak (\d+) MiB per rank\).*Planned in ([\d.]+) s over (\d+)"
+    )
+    CHECKED = re.compile(  # the strategy's own check after the first steps (lightning_pp.runtime.forecast)
+        r"took ([\d.]+) s .*the highest peak was (\d+) MiB on rank (\d+) \(([+-]\d+)% of its predicted (\d+) MiB\)"
     )
 
     def __init__(self) -> None:
@@ -87,8 +91,14 @@ class PlanLog(logging.Handler):
         match = self.PATTERN.search(line)
         if match:
             step, peak, planned, n = match.groups()
-            self.found = {"predicted_step_s": float(step), "predicted_peak_mib": float(peak),
-                          "planning_s": float(planned), "configurations": int(n), "line": line}  # fmt: skip
+            self.found.update({"predicted_step_s": float(step), "predicted_peak_mib": float(peak),
+                               "planning_s": float(planned), "configurations": int(n), "line": line})  # fmt: skip
+        checked = self.CHECKED.search(line)
+        if checked:
+            took, peak, rank, error, predicted = checked.groups()
+            self.found["checked"] = {"step_s": float(took), "peak_mib": float(peak), "rank": int(rank),
+                                     "peak_error": int(error) / 100, "predicted_peak_mib": float(predicted),
+                                     "line": line}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -75,6 +75,7 @@ SHAPES: dict[str, dict[str, Any]] = {
         "about": "activations >> weights: 8 Linear 128x128, 16384 samples (8 MiB per activation), SGD",
         "build": lambda: _mlp(128, 8),
         "input": (16384, 128),
+        "steps": 30,  # a 0.12 s step: 10 steps would time under a second
     },
     "uneven": {
         "about": f"uneven layers: 8 residual MLP blocks d=256, hidden widths {list(UNEVEN_WIDTHS)}, 32 tokens, SGD",

@@ -416,10 +416,10 @@ class PipelineStrategy(ParallelStrategy):
             shared=shared,
             overlap_replicas=self._tracer is None,
             sharded=self.options.fsdp_reshard if self._holding.sharded else None,
+            forecast=self.options.forecast,
         )
-        device = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")  # NCCL P2P
-        ranks = layout.pipeline_ranks(layout.replica)
-        self._relay = ReportRelay(layout.last_stage_rank, ranks, self._groups.pp, device)
+        p2p = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")  # NCCL P2P
+        self._relay = ReportRelay(layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, p2p)
         return self._runner
 
     # ------------------------------------------------------------------ data

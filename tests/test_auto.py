@@ -4,6 +4,9 @@ keeps the choice under it or refuses on every rank."""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 from conftest import ok, run_job
@@ -16,9 +19,11 @@ from lightning_pp.choose.costs import profile_module, save_costs, saved_costs
 from lightning_pp.choose.machine import Machine
 from lightning_pp.choose.planner import ModelCosts, plan
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.options import Forecast
+from lightning_pp.runtime.forecast import _say
 from lightning_pp.split.profiling import Segments
 
-AUTO = dict(schedule="auto", activation_checkpointing="auto", devices=2, batch=8, n_train=24, n_val=8, n_layers=4)
+AUTO = dict(schedule="auto", activation_checkpointing="auto", devices=2, batch=8, n_train=40, n_val=8, n_layers=4)
 
 
 def test_auto_chooses_one_layout_for_every_rank_trains_as_one_process_and_resumes_with_it(tmp_path, reference):
@@ -26,6 +31,9 @@ def test_auto_chooses_one_layout_for_every_rank_trains_as_one_process_and_resume
     chosen = job.rank(0)["chosen"]
     assert job.rank(1)["chosen"] == chosen and sum(chosen["balance"]) == 4, chosen
     assert job.output.count("schedule='auto' chose") == 1 and "runner-up" in job.output
+    # the prediction against the first steps, said once (5 steps: timed from the second to the fifth's start)
+    assert job.output.count("training steps 2-4 took") == 1, job.output[-3000:]
+    assert re.search(r"the highest peak was \d+ MiB on rank [01] \([+-]\d+% of its predicted \d+ MiB\)", job.output)
     m = chosen["n_microbatches"]
     ref = reference(**{**common(AUTO), "batch": AUTO["batch"] // m, "accumulate": m})  # its micro-batches, one process
     assert_state_equal(job.state(), ref["state"], 1e-5)
@@ -142,3 +150,14 @@ def test_auto_costs_a_model_built_on_meta_in_flops_and_trains_as_one_process(tmp
     m = chosen["n_microbatches"]
     ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})
     assert_state_equal(job.state(), ref["state"], 1e-5)
+
+
+def test_a_rank_over_the_memory_limit_is_warned_of_beside_the_prediction(caplog):
+    forecast = Forecast(step_s=0.5, peak_mib=(400.0, 600.0), limit_mib=700.0)
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.pipeline"):
+        _say(forecast, 0.55, [(0, 420.0), (1, 750.0), (0, 500.0), (1, 690.0)])  # 2 replicas x 2 stages
+    said = caplog.text
+    assert "predicted 0.500 s a step and a peak of 600 MiB per rank; training steps 2-4 took 0.550 s (+10%)" in said
+    assert "the highest peak was 750 MiB on rank 1 (+25% of its predicted 600 MiB)" in said
+    over = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(over) == 1 and "Rank 1 peaked at 750 MiB, over memory_limit's 700 MiB" in over[0].getMessage()

@@ -39,8 +39,10 @@ from lightning_pp.choose.machine import (
 from lightning_pp.choose.planner import Config, ModelCosts, Prediction, plan
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
-from lightning_pp.layout.options import PipelineOptions, memory_limit_bytes
+from lightning_pp.layout.options import Forecast, PipelineOptions, memory_limit_bytes
 from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
+from lightning_pp.memory.allocator import return_free_heap
+from lightning_pp.runtime.forecast import status_bytes
 from lightning_pp.split.microbatch import batch_size_of
 
 log = logging.getLogger("lightning.pytorch.pipeline")
@@ -115,17 +117,18 @@ def _plan(
     module: nn.Module, batch: Any, options: PipelineOptions, layout: Layout, machine: Machine, fitted: bool
 ) -> dict[str, Any]:
     start = time.perf_counter()
-    size = batch_size_of(batch)
+    size, device = batch_size_of(batch), _device_of(batch)
+    if not fitted:  # the stand-in's base, taken before the profile leaves its own garbage in the heap
+        machine = replace(machine, base_bytes=_base_bytes(module, device))
     costs, source = _model_costs(module, batch, options.layers, size)
-    if not fitted:  # the stand-in's base: this process without the model
-        held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if not t.is_meta)
-        machine = replace(machine, base_bytes=max(_resident_bytes() - held, 0))
-    limit = _limit_mib(options, _device_of(batch), layout)
+    return_free_heap()
+    limit = _limit_mib(options, device, layout)
     ranked = _ranked(costs, machine, options, layout, size, limit)
     if not ranked:
         raise _nothing_fits(options, costs, machine, layout, size, limit)
     best = ranked[0]
     choice = {**_fields(best.config), **({} if "balance" in options.auto else {"balance": options.balance})}
+    choice["forecast"] = Forecast(best.step_s, tuple(b / 2**20 for b in best.peak_bytes), limit)
     runner_up = f"; runner-up: {_describe_prediction(ranked[1])}" if len(ranked) > 1 else ""
     action = "measured" if fitted else "this project's CPU figure (python -m lightning_pp.plan measures this machine's)"
     rank_zero_info(
@@ -257,8 +260,12 @@ def _device_of(batch: Any) -> torch.device:
     return next((t.device for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
 
 
-def _resident_bytes() -> int:
-    try:
-        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        return 0
+def _base_bytes(module: nn.Module, device: torch.device) -> int:
+    """What a rank holds without the model: on a GPU the device's memory in use (the CUDA context, torch's cache,
+    other processes), on a CPU this process's resident memory (torch, Lightning, the process group); less the
+    model's tensors already there."""
+    held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if t.device == device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(total - free - held, 0)
+    return max(status_bytes("VmRSS:") - held, 0)

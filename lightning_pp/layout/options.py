@@ -45,6 +45,16 @@ KeyFn = Callable[[str], Optional[str]]
 
 
 @dataclass(frozen=True)
+class Forecast:
+    """What ``schedule="auto"`` predicted of its choice: seconds a step, peak MiB per pipeline rank, and the
+    ``memory_limit`` it was held under (MiB per rank; None without one)."""
+
+    step_s: float
+    peak_mib: tuple[float, ...]
+    limit_mib: Optional[float] = None
+
+
+@dataclass(frozen=True)
 class PipelineOptions:
     """What ``PipelineStrategy(...)`` was given, in its order, normalised: a canonical schedule name, the
     stages each rank holds, the timeout as a ``timedelta`` (README's table says what each argument means)."""
@@ -75,6 +85,7 @@ class PipelineOptions:
     memory_limit: MemoryLimit = None
     auto: frozenset[str] = frozenset()  # the arguments given as "auto", chosen at the first batch
     planned: bool = False  # they have been chosen (the fields hold the choice)
+    forecast: Optional[Forecast] = None  # what the choice was predicted to cost, checked against the first steps
 
     def __post_init__(self) -> None:
         _stand_in_for_auto(self)

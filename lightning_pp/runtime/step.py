@@ -23,9 +23,11 @@ from torch.utils._pytree import tree_map_only
 
 from lightning_pp.compat import buffers_kept_through_metadata_inference
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.options import Forecast
 from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
 from lightning_pp.lifecycle.failure import failures_shared
 from lightning_pp.memory.allocator import training_step_begins, trim_before_backward
+from lightning_pp.runtime.forecast import ForecastCheck
 from lightning_pp.runtime.metrics import MetricTap
 from lightning_pp.runtime.recompiles import RecompileWatch
 from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
@@ -81,6 +83,7 @@ class PipelineRunner:
         shared: SharedParameters | None = None,
         overlap_replicas: bool = True,
         sharded: str | None = None,
+        forecast: Forecast | None = None,
     ) -> None:
         self.module = module  # the rank's module (all its stages): the user's step runs on it
         self.stage_indices = stage_indices
@@ -103,6 +106,7 @@ class PipelineRunner:
         self._sharded = sharded
         self._ddp: dict[int, nn.Module] = {}
         self._recompiles = RecompileWatch(dist.get_rank() if dist.is_initialized() else 0)
+        self._forecast = None if forecast is None else ForecastCheck(forecast, label, device)
         self._entries = entries
         self._shared = shared  # parameters other stages hold too (see lightning_pp.split.tied)
         self._schedules: OrderedDict[tuple, tuple[_PipelineSchedule, list[StageModule]]] = OrderedDict()
@@ -144,6 +148,8 @@ class PipelineRunner:
         self._weights = weights
         if train:
             training_step_begins()
+            if self._forecast is not None:
+                self._forecast.training_step_begins()
         with running_stages():
             report = self._run(hook, args, kwargs, n_microbatches, train, record)
         self._recompiles.step_done(train)
