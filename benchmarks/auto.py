@@ -139,7 +139,8 @@ def main() -> None:
             "measured_hwm_mib_max_rank_median": statistics.median(max(r["hwm_mib"]) for r in autos),
             "peak_errors": [r["plan"]["checked"]["peak_error"] for r in autos if "checked" in r["plan"]],
         })  # fmt: skip
-    saved = json.loads(open(os.path.join(cache, os.listdir(cache)[0])).read())
+    machine_file = next(f for f in sorted(os.listdir(cache)) if f.startswith("machine-"))  # beside the costs cached
+    saved = json.loads(open(os.path.join(cache, machine_file)).read())
     out = {
         "benchmark": "auto", "machine": machine(), "rows": rows,
         "config": {"ranks": 2, "batch": BATCH, "model": MODEL, "steps": args.steps, "finalists": args.finalists,
