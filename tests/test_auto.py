@@ -161,3 +161,8 @@ def test_a_rank_over_the_memory_limit_is_warned_of_beside_the_prediction(caplog)
     assert "the highest peak was 750 MiB on rank 1 (+25% of its predicted 600 MiB)" in said
     over = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(over) == 1 and "Rank 1 peaked at 750 MiB, over memory_limit's 700 MiB" in over[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="lightning.pytorch.pipeline"):
+        _say(forecast, 0.5, [(0, 0.0), (1, 0.0)])  # no high-water mark kept (not Linux): the time alone
+    assert "took 0.500 s (+0%)." in caplog.text
+    assert "peak was" not in caplog.text and "over memory_limit" not in caplog.text

@@ -54,11 +54,15 @@ def _say(forecast: Forecast, step_s: float, peaks: list[tuple[int, float]]) -> N
     first, last = MEASURED
     rank, (pp_rank, peak) = max(enumerate(peaks), key=lambda item: item[1][1])
     predicted = forecast.peak_mib[pp_rank]
+    measured = (  # no peak where the OS keeps no high-water mark (not Linux)
+        f", and the highest peak was {peak:.0f} MiB on rank {rank} ({peak / predicted - 1:+.0%} of its predicted"
+        f" {predicted:.0f} MiB)"
+        if peak > 0
+        else ""
+    )
     log.info(
         f"schedule='auto' predicted {forecast.step_s:.3f} s a step and a peak of {max(forecast.peak_mib):.0f} MiB"
-        f" per rank; training steps {first}-{last} took {step_s:.3f} s ({step_s / forecast.step_s - 1:+.0%}), and"
-        f" the highest peak was {peak:.0f} MiB on rank {rank} ({peak / predicted - 1:+.0%} of its predicted"
-        f" {predicted:.0f} MiB)."
+        f" per rank; training steps {first}-{last} took {step_s:.3f} s ({step_s / forecast.step_s - 1:+.0%}){measured}."
     )
     limit = forecast.limit_mib
     for rank, (pp_rank, peak) in enumerate(peaks):
