@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.choose.machine import Machine, ping_pong, save_machine
+from lightning_pp.runtime.forecast import status_bytes
 
 _MICROBATCHES = (2, 4, 8, 16)
 _STEPS = 20  # per fit; the first 4 are left out
@@ -148,7 +149,7 @@ def _main(out: str, accelerator: str) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     action, step = _split_overheads(step_s, latency_s)
-    resident = int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS:")).split()[1]) * 1024
+    resident = status_bytes("VmRSS:")
     if rank == 0:
         machine = Machine(latency_s, bandwidth, action, step, resident)
         Path(out).write_text(json.dumps(asdict(machine), indent=1))
