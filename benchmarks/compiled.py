@@ -1,6 +1,8 @@
 """``compile=True`` against eager: step time and the first step's extra time (compiling), 1F1B on 2 ranks.
 
-    python benchmarks/compiled.py [--m 4] [--steps 10] [--rounds 2]
+    python benchmarks/compiled.py [--m 4] [--steps 10] [--rounds 2] [--ranks 2] [--schedule 1f1b]
+
+``--ranks 1 --schedule interleaved_1f1b`` puts both stages on one rank (one GPU holds the pipeline).
 
 Two models of ``shapes.py``: the design card's GPT (8 blocks, d=256, AdamW) and 8 ``nn.TransformerEncoderLayer``
 (SGD), through ``Trainer(strategy=PipelineStrategy(compile=...))`` (inductor, its default mode), one thread per
@@ -28,14 +30,17 @@ def main() -> None:
     parser.add_argument("--m", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved_1f1b"))
     args = parser.parse_args()
     runs = [(shape, compiled) for shape in SHAPES for compiled in (False, True)]
     steps: dict[tuple[str, bool], list[float]] = {run: [] for run in runs}
     first: dict[tuple[str, bool], list[float]] = {run: [] for run in runs}
     for round_ in range(args.rounds):
         for shape, compiled in runs[round_ % len(runs) :] + runs[: round_ % len(runs)]:
-            options = json.dumps({"shape": shape, "compile": compiled})
-            result = launch("run_strategy.py", "1f1b", args.m, args.steps, extra=options)
+            stages = {"stages_per_rank": 2} if args.schedule == "interleaved_1f1b" else {}
+            options = json.dumps({"shape": shape, "compile": compiled, **stages})
+            result = launch("run_strategy.py", args.schedule, args.m, args.steps, extra=options, ranks=args.ranks)
             steps[shape, compiled] += step_times(result["ends"])
             first[shape, compiled].append(result["ends"][0] - result["start"])
             print(shape, compiled, statistics.median(steps[shape, compiled]), flush=True)
@@ -46,7 +51,7 @@ def main() -> None:
                      "first_step_extra_s": statistics.median(first[shape, compiled]) - step})  # fmt: skip
     speedup = {s: statistics.median(steps[s, False]) / statistics.median(steps[s, True]) for s in SHAPES}
     out = {"benchmark": "compiled", "machine": machine(), "rows": rows, "eager_over_compiled": speedup,
-           "config": {"schedule": "1f1b", "ranks": 2, "n_microbatches": args.m, "steps": args.steps,
+           "config": {"schedule": args.schedule, "ranks": args.ranks, "n_microbatches": args.m, "steps": args.steps,
                       "rounds": args.rounds}}  # fmt: skip
     (RESULTS / "compiled.json").write_text(json.dumps(out, indent=1))
     print("| model | compile | step, s (median) | first step's extra, s | eager / compiled |")

@@ -6,7 +6,27 @@ all three (their private names included); a difference found goes here with the 
 
 from __future__ import annotations
 
+import re
 from typing import Any
+
+import torch
+
+OLDEST = (2, 13)
+
+
+def _refuse_an_older_torch(version: str) -> None:
+    """Below 2.13 the pipelining runtime lacks private hooks this package wraps (``PipelineStage``'s
+    ``_post_metadata_inference_cleanup``, seen missing in 2.11): refused at import, not deep in the first step."""
+    found = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
+    if found < OLDEST:
+        raise ImportError(
+            f"lightning-pp needs torch >= {OLDEST[0]}.{OLDEST[1]} (it supports 2.13 to 2.15); this environment has"
+            f" torch {version}. Install a supported release, e.g. pip install 'torch>=2.13,<2.16' (with the CUDA"
+            " build your machine needs)."
+        )
+
+
+_refuse_an_older_torch(torch.__version__)
 
 try:  # torch >= 2.15: the runtime retires each send at an explicit WAIT_SEND_F/WAIT_SEND_B of the order
     from torch.distributed.pipelining.schedules import _add_wait_send

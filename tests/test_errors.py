@@ -14,6 +14,7 @@ from job import process_running
 from models import MOE, TinyGPT
 
 from lightning_pp import PipelineConfigError, PipelineStrategy
+from lightning_pp.compat import _refuse_an_older_torch
 from lightning_pp.layout.mesh import make_layout
 from lightning_pp.runtime.twobw import check_optimizers, look_ahead
 from lightning_pp.split.experts import route_experts
@@ -23,6 +24,17 @@ from lightning_pp.split.planning import check_module, check_training_setup
 class _Unsized(torch.utils.data.IterableDataset):
     def __iter__(self):
         return iter(range(4))
+
+
+@pytest.mark.parametrize("version", ["2.13.0a0+git1234", "2.13.0+cpu", "2.15.1"])
+def test_a_supported_torch_is_accepted(version):
+    _refuse_an_older_torch(version)
+
+
+def test_a_torch_older_than_2_13_is_refused_at_import_naming_it_and_the_range():
+    # the GPU image of this workplace had 2.11, whose PipelineStage failed in the first step (an AttributeError)
+    with pytest.raises(ImportError, match=r"this environment has torch 2\.11\.0\+cu130.*'torch>=2\.13,<2\.16'"):
+        _refuse_an_older_torch("2.11.0+cu130")
 
 
 @pytest.mark.parametrize(
