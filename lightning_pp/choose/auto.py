@@ -30,6 +30,7 @@ from lightning_pp.choose.costs import counted_costs, profile_module, profiled_si
 from lightning_pp.choose.machine import (
     STAND_IN,
     Machine,
+    base_bytes,
     matmul_rate,
     ping_pong,
     save_machine,
@@ -42,7 +43,6 @@ from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import Forecast, PipelineOptions, memory_limit_bytes
 from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
 from lightning_pp.memory.allocator import return_free_heap
-from lightning_pp.runtime.forecast import status_bytes
 from lightning_pp.split.microbatch import batch_size_of
 
 log = logging.getLogger("lightning.pytorch.pipeline")
@@ -119,7 +119,8 @@ def _plan(
     start = time.perf_counter()
     size, device = batch_size_of(batch), _device_of(batch)
     if not fitted:  # the stand-in's base, taken before the profile leaves its own garbage in the heap
-        machine = replace(machine, base_bytes=_base_bytes(module, device))
+        held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if t.device == device)
+        machine = replace(machine, base_bytes=base_bytes(device, held))
     costs, source = _model_costs(module, batch, options.layers, size)
     return_free_heap()
     limit = _limit_mib(options, device, layout)
@@ -258,14 +259,3 @@ def _describe(fields: Mapping[str, Any]) -> str:
 def _device_of(batch: Any) -> torch.device:
     """The rank's device: where Lightning put the batch."""
     return next((t.device for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)), torch.device("cpu"))
-
-
-def _base_bytes(module: nn.Module, device: torch.device) -> int:
-    """What a rank holds without the model: on a GPU the device's memory in use (the CUDA context, torch's cache,
-    other processes), on a CPU this process's resident memory (torch, Lightning, the process group); less the
-    model's tensors already there."""
-    held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if t.device == device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return max(total - free - held, 0)
-    return max(status_bytes("VmRSS:") - held, 0)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_pp.runtime.forecast import status_bytes
+
 _SIZES = (1 << 10, 1 << 22)  # bytes of the two ping-pong messages
 
 
@@ -39,6 +41,16 @@ class Machine:
 
 # the runtime's costs measured by the calibration job on this project's 2-core CPU machine (gloo)
 STAND_IN = Machine(3e-4, 1e9, action_overhead_s=5e-4, step_overhead_s=0.05, base_bytes=0)
+
+
+def base_bytes(device: torch.device, held: int = 0) -> int:
+    """What a rank holds without the model (``Machine.base_bytes``), less ``held`` (the model's bytes already
+    there): on a GPU the device's memory in use (the CUDA context, torch's cache, other processes), on a CPU this
+    process's resident memory (torch, Lightning, the process group)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return max(total - free - held, 0)
+    return max(status_bytes("VmRSS:") - held, 0)
 
 
 def ping_pong(

@@ -2,7 +2,7 @@
 valid configuration simulated (``simulate``, ``planner``) with costs measured on the model and the
 machine (``calibrate``), ranked, and the best verified through the app (``app``).
 
-Imports: ``train`` and the strategy (as a user would), ``layout``, ``split``, ``runtime``, ``choose``.
+Imports: ``train`` and the strategy (as a user would), ``layout``, ``memory``, ``split``, ``runtime``, ``choose``.
 """
 
 from typing import Any

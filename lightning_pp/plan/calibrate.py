@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.choose.machine import Machine, ping_pong, save_machine
-from lightning_pp.runtime.forecast import status_bytes
+from lightning_pp.choose.machine import Machine, base_bytes, ping_pong, save_machine
+from lightning_pp.memory.allocator import return_free_heap
 
 _MICROBATCHES = (2, 4, 8, 16)
 _STEPS = 20  # per fit; the first 4 are left out
@@ -149,9 +149,12 @@ def _main(out: str, accelerator: str) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     action, step = _split_overheads(step_s, latency_s)
-    resident = status_bytes("VmRSS:")
+    # the fits' models are gone: what they leave in torch's cache or the heap is not the base
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return_free_heap()
     if rank == 0:
-        machine = Machine(latency_s, bandwidth, action, step, resident)
+        machine = Machine(latency_s, bandwidth, action, step, base_bytes(device))
         Path(out).write_text(json.dumps(asdict(machine), indent=1))
 
 
