@@ -194,3 +194,37 @@ def test_the_strategys_arguments_are_normalised_once_in_its_order() -> None:
         options.schedule = "gpipe"  # type: ignore[misc]
     with pytest.raises(PipelineConfigError, match=r"schedule='2bw' with split='trace' is not supported yet"):
         PipelineOptions(schedule="2bw", split="trace")
+
+
+def _relay_rank(rank: int, port: int, out: str) -> None:
+    import os
+    import pickle
+
+    import torch.distributed as dist
+
+    from lightning_pp.runtime.relay import ReportRelay, StepReport
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    relay = ReportRelay(1, [0, 1], None, torch.device("cpu"))
+    got = []
+    for n_logs in (1, 400, 2):  # a step's few logs, then a report past the first message's 16 KiB, then few again
+        logs = [LogRecord(f"metric_{i}", torch.tensor(float(i)), {"reduce_fx": "mean"}, 1.0) for i in range(n_logs)]
+        report = relay.relay(StepReport(torch.tensor(0.5 * n_logs), logs) if rank == 1 else None)
+        got.append((float(report.loss), [(r.name, float(r.value)) for r in report.logs], len(pickle.dumps(report))))
+    relay.flush()
+    dist.destroy_process_group()
+    with open(f"{out}/{rank}.pkl", "wb") as f:
+        pickle.dump(got, f)
+
+
+def test_the_report_relay_carries_small_and_large_reports_in_order(tmp_path):
+    import pickle
+
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    mp.start_processes(_relay_rank, args=(free_port(), str(tmp_path)), nprocs=2, start_method="fork")
+    sent, received = (pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (1, 0))
+    assert received == sent and [len(logs) for _, logs, _ in received] == [1, 400, 2]
+    assert received[1][2] > 16384  # the large one took the second message

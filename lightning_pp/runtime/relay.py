@@ -22,6 +22,8 @@ from lightning_pp.layout.mesh import Layout
 from lightning_pp.split.microbatch import merge_microbatches
 from lightning_pp.split.stage import get_path
 
+_FIRST = 16384  # bytes of a report's first message: a step's loss and logs fit (a few hundred bytes each)
+_LENGTH = 8  # bytes at its start holding the pickled report's length
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCTIONS: dict[Any, str] = {
     "mean": "mean", "avg": "mean", torch.mean: "mean",
@@ -144,7 +146,9 @@ class ReportRelay:
     A broadcast would hold the last stage until the first stage finished its last backward; under
     1F1B that puts the last stage's optimizer step on the critical path of every step (about 3% of
     step time here). The last stage posts sends instead and goes on; the others receive what is
-    usually there already. Sends of one step complete before the next step's are posted.
+    usually there already. Sends of one step complete before the next step's are posted. A report goes as one
+    message of ``_FIRST`` bytes that starts with its length (a size sent ahead cost the receiver a second receive,
+    0.4 ms a step on a CPU rank), and only a larger report sends the rest after it.
     """
 
     _TAG = 7351  # apart from the schedule's P2P traffic on the same group
@@ -163,18 +167,28 @@ class ReportRelay:
             assert report is not None
             self.flush()
             payload = pickle.dumps(_on_cpu(report))
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
-            size = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
-            self._buffers = (size, data)
+            first = bytearray(_FIRST)
+            first[:_LENGTH] = len(payload).to_bytes(_LENGTH, "little")
+            first[_LENGTH : _LENGTH + len(payload)] = payload[: _FIRST - _LENGTH]
+            self._buffers = tuple(
+                torch.frombuffer(part, dtype=torch.uint8).to(self.device)
+                for part in (first, bytearray(payload[_FIRST - _LENGTH :]))
+                if part
+            )
             for dst in self.others:
-                self._pending.append(dist.isend(size, dst, group=self.group, tag=self._TAG))
-                self._pending.append(dist.isend(data, dst, group=self.group, tag=self._TAG))
+                for buffer in self._buffers:
+                    self._pending.append(dist.isend(buffer, dst, group=self.group, tag=self._TAG))
             return report
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(size, self.src, group=self.group, tag=self._TAG)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.recv(data, self.src, group=self.group, tag=self._TAG)
-        return pickle.loads(data.cpu().numpy().tobytes())
+        first = torch.empty(_FIRST, dtype=torch.uint8, device=self.device)
+        dist.recv(first, self.src, group=self.group, tag=self._TAG)
+        head = first.cpu().numpy().tobytes()
+        length = int.from_bytes(head[:_LENGTH], "little")
+        payload = head[_LENGTH : _LENGTH + length]
+        if length > _FIRST - _LENGTH:  # a report larger than the first message (many logs, metric states)
+            rest = torch.empty(length - (_FIRST - _LENGTH), dtype=torch.uint8, device=self.device)
+            dist.recv(rest, self.src, group=self.group, tag=self._TAG)
+            payload += rest.cpu().numpy().tobytes()
+        return pickle.loads(payload)
 
     def flush(self) -> None:
         """Wait for the sends posted so far (before posting more, and before the process group goes)."""
