@@ -1,6 +1,6 @@
 """``schedule="auto"`` against the default and a brute-force grid, on 2 ranks, three model shapes.
 
-    python benchmarks/auto.py [--steps 8] [--finalists 3]
+    python benchmarks/auto.py [--steps 8] [--finalists 3] [--pairs 4]
 
 Runs ``run_strategy.py`` (torchrun, one thread per rank) on three shapes of ``shapes.py``: the design card's GPT
 (uniform blocks, AdamW), the same GPT with a vocabulary of 16000 (a heavy head, ``balance.py``'s model) and
@@ -18,7 +18,9 @@ into a fresh ``LIGHTNING_PP_CACHE`` folder, so every ``auto`` run plans with mea
 
 Round 1 runs every configuration of every shape once (``auto`` first, the grid in another order per shape);
 round 2 runs ``auto``, the default and the grid's ``--finalists`` best of round 1 again, in reverse order (a
-grid's best of 16 single runs is biased low by noise; measuring it again lowers that bias). A run's time is the
+grid's best of 16 single runs is biased low by noise; measuring it again lowers that bias). Round 3 runs what
+``auto`` chose (given explicitly) and the grid's best back to back, ``--pairs`` times in alternating order: the
+median of the pairs' ratios is the comparison the VM's drift between minutes disturbs least. A run's time is the
 median of its step times after the warm-up (``common.WARMUP``); a configuration's, the median over its runs.
 4 ranks are not run: 4 processes on this machine's 2 cores would be oversubscribed and time the scheduler.
 
@@ -56,9 +58,9 @@ DEFAULT = ("1f1b", default_microbatches(BATCH, "1f1b", 2, 2), "uniform")
 AUTO = ("auto", "auto", "auto")
 
 
-def run(shape: str, config: tuple[Any, Any, str], steps: int) -> dict[str, Any]:
+def run(shape: str, config: tuple[Any, Any, Any], steps: int, **given: Any) -> dict[str, Any]:
     schedule, m, balance = config
-    options = dict(SHAPES[shape], **({} if balance == "auto" else {"balance": balance}))
+    options = {**SHAPES[shape], **({} if balance == "auto" else {"balance": balance}), **given}
     start = time.perf_counter()
     result = launch("run_strategy.py", schedule, m, steps, extra=json.dumps(options))
     step = statistics.median(step_times(result["ends"]))
@@ -75,6 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--finalists", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=4)
     args = parser.parse_args()
     began = time.perf_counter()
     cache = tempfile.mkdtemp(prefix="lightning_pp_cache_")
@@ -100,6 +103,9 @@ def main() -> None:
 
     def median(shape: str, config: tuple) -> float:
         return statistics.median(r["step_s"] for r in runs[shape, config])
+
+    paired = {shape: pairs(shape, runs[shape, AUTO][-1]["chosen"], min(GRID, key=lambda c: median(shape, c)), args)
+              for shape in SHAPES}  # fmt: skip
 
     rows = []
     for shape in SHAPES:
@@ -130,6 +136,7 @@ def main() -> None:
                       "hwm_mib": runs[shape, c][0]["hwm_mib"]} for c in GRID],
             "grid_best": {"config": best, "step_s": grid[best]},
             "auto_over_grid_best": auto_s / grid[best],
+            "paired": paired[shape],
             "auto_over_default": auto_s / default_s,
             "default_is_grid_best": best == DEFAULT,
             "auto_beats_default": auto_s < default_s,
@@ -145,14 +152,16 @@ def main() -> None:
         "benchmark": "auto", "machine": machine(), "rows": rows,
         "config": {"ranks": 2, "batch": BATCH, "model": MODEL, "steps": args.steps, "finalists": args.finalists,
                    "grid": {"schedules": SCHEDULES, "n_microbatches": MICROBATCHES, "balance": BALANCES},
-                   "default": DEFAULT, "four_ranks": "not run: 4 processes on 2 cores would be oversubscribed"},
+                   "pairs": args.pairs, "default": DEFAULT,
+                   "four_ranks": "not run: 4 processes on 2 cores would be oversubscribed"},
         "calibration": {"ran": True, "seconds": calibration_s, "cache": saved},
         "wall_s": time.perf_counter() - began,
     }  # fmt: skip
     (RESULTS / "auto.json").write_text(json.dumps(out, indent=1))
     print("| shape | auto, s | grid's best, s | auto / best | default, s | auto / default | auto chose | planning, s |"
-          " 10% of 1000 steps, s | predicted peak / measured HWM, MiB | peak error, first steps |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          " 10% of 1000 steps, s | predicted peak / measured HWM, MiB | peak error, first steps | auto's choice / best,"
+          " paired |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for row in rows:
         chosen = row["auto"]["chosen"][-1]
         choice = (f"`{chosen['schedule']}` m={chosen['n_microbatches']} v={chosen['stages_per_rank']} "
@@ -164,7 +173,26 @@ def main() -> None:
               f"{row['planning_s_median']:.1f} | "
               f"{row['ten_percent_of_1000_steps_s']:.0f} | {row['predicted_peak_mib_median']:.0f} / "
               f"{row['measured_hwm_mib_max_rank_median']:.0f} | "
-              f"{', '.join(f'{e:+.0%}' for e in row['peak_errors'])} |")  # fmt: skip
+              f"{', '.join(f'{e:+.0%}' for e in row['peak_errors'])} | "
+              f"{row['paired']['choice_over_best']:.2f} ({len(row['paired']['ratios'])} pairs) |")  # fmt: skip
+
+
+def pairs(shape: str, chosen: dict[str, Any], best: tuple, args: argparse.Namespace) -> dict[str, Any]:
+    """Auto's choice (given explicitly: no planning) and the grid's best, run back to back ``args.pairs`` times in
+    alternating order: the median of each pair's ratio, which this VM's drift between minutes moves far less than a
+    ratio of medians taken over the whole benchmark."""
+    given = (chosen["schedule"], chosen["n_microbatches"], chosen["balance"])
+    extra = {name: chosen[name] for name in ("stages_per_rank", "activation_checkpointing")}
+    choice_s, best_s = [], []
+    for i in range(args.pairs):
+        for which in ("choice", "best") if i % 2 == 0 else ("best", "choice"):
+            if which == "choice":
+                choice_s.append(run(shape, given, args.steps, **extra)["step_s"])
+            else:
+                best_s.append(run(shape, best, args.steps)["step_s"])
+    ratios = [a / b for a, b in zip(choice_s, best_s)]
+    return {"choice": chosen, "grid_best": best, "choice_s": choice_s, "best_s": best_s, "ratios": ratios,
+            "choice_over_best": statistics.median(ratios)}  # fmt: skip
 
 
 if __name__ == "__main__":
