@@ -52,6 +52,17 @@ def test_auto_with_replicas_chooses_one_layout_for_all_four_ranks(tmp_path, refe
     assert_state_equal(job.state(), reference(**combined(cfg))["state"], 1e-5)
 
 
+def test_auto_on_four_pipeline_ranks_chooses_one_layout_and_trains_as_one_process(tmp_path, reference):
+    cfg = dict(AUTO, devices=4, n_layers=8)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    chosen = job.rank(0)["chosen"]
+    assert all(job.rank(r)["chosen"] == chosen for r in range(4)), [job.rank(r)["chosen"] for r in range(4)]
+    assert len(chosen["balance"]) == 4 * chosen["stages_per_rank"] and sum(chosen["balance"]) == 8, chosen
+    m = chosen["n_microbatches"]
+    ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})
+    assert_state_equal(job.state(), ref["state"], 1e-5)
+
+
 def test_a_memory_limit_nothing_fits_under_is_refused_on_every_rank(tmp_path):
     job = run_job({**AUTO, "memory_limit": 2**20, "strategy": "pipeline"}, tmp_path / "job", timeout=300)
     assert job.returncode != 0
