@@ -104,13 +104,13 @@ def main() -> None:
     def median(shape: str, config: tuple) -> float:
         return statistics.median(r["step_s"] for r in runs[shape, config])
 
-    paired = {shape: pairs(shape, runs[shape, AUTO][-1]["chosen"], min(GRID, key=lambda c: median(shape, c)), args)
-              for shape in SHAPES}  # fmt: skip
+    bests = {shape: min(GRID, key=lambda c, shape=shape: median(shape, c)) for shape in SHAPES}
+    paired = {shape: pairs(shape, runs[shape, AUTO][-1]["chosen"], bests[shape], args) for shape in SHAPES}
 
     rows = []
     for shape in SHAPES:
         grid = {c: median(shape, c) for c in GRID}
-        best = min(grid, key=grid.get)  # type: ignore[arg-type]
+        best = bests[shape]
         autos = runs[shape, AUTO]
         auto_s, default_s = median(shape, AUTO), median(shape, DEFAULT)
         plan = autos[-1]["plan"]

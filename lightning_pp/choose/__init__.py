@@ -4,6 +4,6 @@ The model's costs measured on the real batch (``costs``), the machine's (``machi
 replayed through torch's own action lists (``simulate``) and ranked (``planner``), and the one every rank
 runs (``auto``). The planner's app (``lightning_pp.plan``) starts from the same functions.
 
-Imports: ``layout``, ``memory`` (the heap returned after planning's profile), ``checkpoints``, ``split``, ``runtime``
+Imports: ``layout``, ``memory`` (what planning's profile left, returned), ``checkpoints``, ``split``, ``runtime``
 (the simulator's timeline is the telemetry's events; the forecast checked against the first steps).
 """

@@ -42,7 +42,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import Forecast, PipelineOptions, memory_limit_bytes
 from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
-from lightning_pp.memory.allocator import return_free_heap
+from lightning_pp.memory.allocator import return_free_memory
 from lightning_pp.split.microbatch import batch_size_of
 
 log = logging.getLogger("lightning.pytorch.pipeline")
@@ -121,10 +121,9 @@ def _plan(
     held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if t.device == device)
     base = base_bytes(device, held)  # on a CPU before the profile, which leaves its garbage in the heap
     costs, source = _model_costs(module, batch, options.layers, size)
-    return_free_heap()
+    return_free_memory(device)
     if device.type == "cuda":  # on a GPU after it, its cache emptied: the kernels and cuBLAS workspaces it loaded
-        torch.cuda.empty_cache()  # stay for training (198 MiB on an H100 for a 300 M-parameter GPT, torch 2.11)
-        base = base_bytes(device, held)
+        base = base_bytes(device, held)  # stay for training (198 MiB on an H100 for a 300 M-parameter GPT, torch 2.11)
     if not fitted:  # the stand-in's base; the calibration job measured its own
         machine = replace(machine, base_bytes=base)
     limit = _limit_mib(options, device, layout)

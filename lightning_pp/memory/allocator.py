@@ -86,11 +86,13 @@ def trim_before_backward(pipeline_stage: Any) -> None:
         setattr(pipeline_stage, name, _after_trim(libc, weights // 4, getattr(pipeline_stage, name)))
 
 
-def return_free_heap() -> None:
-    """The heap's free pages back to the OS now, where the strategy manages glibc's allocator: after a one-off
-    whose garbage the steps would otherwise carry as resident memory (schedule="auto"'s profile of the whole
-    model on rank 0)."""
-    if _libc is not None:
+def return_free_memory(device: torch.device) -> None:
+    """What a one-off left free goes back now, so that the steps do not carry it (schedule="auto"'s profile of the
+    whole model on rank 0, the calibration job's fits): on a GPU torch's cache, on a CPU the heap's free pages
+    where the strategy manages glibc's allocator."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif _libc is not None:
         _libc.malloc_trim(0)
 
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lightning_pp.choose.machine import Machine, base_bytes, ping_pong, save_machine
-from lightning_pp.memory.allocator import return_free_heap
+from lightning_pp.memory.allocator import return_free_memory
 
 _MICROBATCHES = (2, 4, 8, 16)
 _STEPS = 20  # per fit; the first 4 are left out
@@ -150,9 +150,7 @@ def _main(out: str, accelerator: str) -> None:
         dist.destroy_process_group()
     action, step = _split_overheads(step_s, latency_s)
     # the fits' models are gone: what they leave in torch's cache or the heap is not the base
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    return_free_heap()
+    return_free_memory(device)
     if rank == 0:
         machine = Machine(latency_s, bandwidth, action, step, base_bytes(device))
         Path(out).write_text(json.dumps(asdict(machine), indent=1))
