@@ -24,6 +24,7 @@ from lightning_pp.layout.schedule import check_microbatches, resolve_stages_per_
 from lightning_pp.plan.app import COLUMNS, entered_costs, plan_module
 from lightning_pp.plan.calibrate import fit_nonnegative
 from lightning_pp.split.partition import uniform_split
+from lightning_pp.split.profiling import _Clock, _last_level_cache_bytes
 
 ROOT = Path(__file__).parents[1]
 # benchmarks/common.py's model and batch, which benchmarks/memory.py measured
@@ -62,6 +63,15 @@ def test_profiled_costs_scale_with_the_micro_batch_and_count_every_parameter(ben
     assert all(t > 0 for t in large.forward + large.backward + large.input_grad + large.weight_grad)
     # AdamW keeps two moments (and a step count) per weight
     assert benchmark_costs.optimizer_state_ratio == pytest.approx(2.0, abs=0.01)
+
+
+def test_the_profile_clock_leaves_out_the_time_it_spends_clearing_the_cache():
+    clock = _Clock(torch.device("cpu"))
+    start = clock.now()
+    clock.cold(torch.ones(1000))
+    # reading a buffer twice the last-level cache takes milliseconds: none of it is a segment's
+    assert clock.now() - start < clock._cold_s / 5
+    assert _last_level_cache_bytes(torch.device("cpu")) >= 1 << 20
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv"])
