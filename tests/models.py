@@ -204,6 +204,16 @@ class TwiceGPT(TinyGPT):
         return self._loss(batch) + self._loss(batch)
 
 
+class LastRankFailsGPT(TinyGPT):
+    """A step that fails on the last rank only (where a pipeline runs it), however it is called."""
+
+    def training_step(self, batch, batch_idx):
+        dist = torch.distributed
+        if dist.is_initialized() and dist.get_rank() == dist.get_world_size() - 1:
+            raise RuntimeError("this step fails on the last rank")
+        return super().training_step(batch, batch_idx)
+
+
 class Core(nn.Module):
     """A plain network; the LightningModule below wraps it and calls it directly."""
 

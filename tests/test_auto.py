@@ -72,6 +72,14 @@ def test_a_memory_limit_nothing_fits_under_is_refused_on_every_rank(tmp_path):
     assert "the smallest predicted peak is" in job.output
 
 
+def test_a_rank_that_cannot_measure_the_model_stops_every_rank_with_its_error(tmp_path):
+    # every rank measures at once: the last one's failure is every rank's error, none waits for a choice
+    job = run_job({**AUTO, "model": "last_rank_fails", "strategy": "pipeline"}, tmp_path / "job", timeout=300)
+    assert job.returncode != 0
+    said = "schedule='auto' could not measure the model on rank 1 (RuntimeError: this step fails on the last rank)"
+    assert job.output.count(said) >= 2, job.output[-3000:]
+
+
 def _costs(layers: int = 8, saved: int = 64 << 20) -> ModelCosts:
     """Equal layers whose saved activations dominate: under 1F1B the first rank holds the most of them."""
     n = layers + 2

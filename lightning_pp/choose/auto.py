@@ -1,13 +1,14 @@
 """``schedule="auto"`` (and ``n_microbatches``, ``balance``, ``stages_per_rank``, ``activation_checkpointing``):
 the first batch chooses them for the replicas and pipeline ranks the user gave.
 
-Rank 0 measures the model on the real batch (``costs``: each layer at three micro-batch sizes, through the
-user's own step), times a message to its pipeline neighbour, simulates every configuration torch accepts for
-these ranks (``planner``) and sends its choice to every rank in one broadcast, so that all run the same; an
-error (a memory limit nothing fits under) travels the same way and is raised everywhere. What it measures
-leaves the module, its gradients, buffers and the random state as they were: the run trains as one with the
-chosen arguments given. The choice is written into each checkpoint; a resumed fit takes it from there
-without measuring again.
+Every rank measures the model on the real batch at once (``costs``: each layer at three micro-batch sizes, through
+the user's own step; at once so that each shares the machine as training will), rank 0 times a message to its
+pipeline neighbour, simulates every configuration torch accepts for these ranks from the ranks' mean costs
+(``planner``) and sends its choice to every rank in one broadcast, so that all run the same; an error (a memory
+limit nothing fits under, a rank that could not measure) travels the same way and is raised everywhere. What it
+measures leaves the module, its gradients, buffers and the random state as they were: the run trains as one with
+the chosen arguments given. The choice is written into each checkpoint; a resumed fit takes it from there without
+measuring again.
 """
 
 from __future__ import annotations
@@ -26,7 +27,14 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from lightning_pp.checkpoints.restore import PendingRestore
-from lightning_pp.choose.costs import counted_costs, profile_module, profiled_sizes, save_costs, saved_costs
+from lightning_pp.choose.costs import (
+    counted_costs,
+    mean_costs,
+    profile_module,
+    profiled_sizes,
+    save_costs,
+    saved_costs,
+)
 from lightning_pp.choose.machine import (
     STAND_IN,
     Machine,
@@ -63,34 +71,65 @@ def chosen_options(
     if resumed is not None:
         rank_zero_info(f"The resumed checkpoint's choice stands: {_describe(pending.choice or {})}.")
         return resumed
+    start = time.perf_counter()
     rank, device = dist.get_rank(), _device_of(batch)  # the rank's device (the module may still be on the CPU)
     accelerator = "cuda" if device.type == "cuda" else "cpu"
     cached, fitted = saved_machine(accelerator) if rank == 0 else (None, False)
-    measure = [cached is None]
-    dist.broadcast_object_list(measure, src=0)  # rank 0's cache decides for the pair
+    known = saved_costs(module, batch, options.layers) if rank == 0 else None
+    decided = [cached is None, known is not None]
+    dist.broadcast_object_list(decided, src=0)  # rank 0's cache decides for every rank
     messages = None
-    if measure[0] and layout.pp > 1:  # each replica's pipeline times its own; replica 0's counts
+    if decided[0] and layout.pp > 1:  # each replica's pipeline times its own; replica 0's counts
         messages = ping_pong(layout.stage_rank(0), layout.stage_rank(1), device, group)
+    held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if t.device == device)
+    base = base_bytes(device, held)  # on a CPU before the profile, which leaves its garbage in the heap
+    if decided[1]:
+        costs, source = known, "this model's costs measured before on this host"
+    else:
+        costs, source = _measured_on_every_rank(module, batch, options.layers)
+        return_free_memory(device)
+        if device.type == "cuda":  # on a GPU after it, its cache emptied: the kernels and cuBLAS workspaces it
+            base = base_bytes(device, held)  # loaded stay for training (198 MiB on an H100, torch 2.11)
     if rank != 0:
         outcome: list[Any] = [None]
     else:
+        if not decided[1]:
+            save_costs(costs, module, batch, options.layers)
         machine = cached or with_messages(STAND_IN, *(messages or (STAND_IN.latency_s, STAND_IN.bandwidth_bytes_per_s)))
         if cached is None:
             save_machine(machine, accelerator, fitted=False)
+        if not fitted:  # the stand-in's base; the calibration job measured its own
+            machine = replace(machine, base_bytes=base)
         try:
-            outcome = [_plan(module, batch, options, layout, machine, fitted)]
+            outcome = [_plan(costs, source, options, layout, machine, fitted, batch_size_of(batch), device, start)]
         except PipelineConfigError as error:
             outcome = [error]
-        except Exception as error:  # noqa: BLE001 (every rank stops with it, none waits for a choice)
-            outcome = [PipelineConfigError(
-                f"schedule='auto' could not measure the model on rank 0 ({type(error).__name__}: {error}); give the"
-                " schedule, n_microbatches and balance explicitly, or plan with python -m lightning_pp.plan."
-            )]  # fmt: skip
-            log.exception("Measuring the model for schedule='auto' failed")
     dist.broadcast_object_list(outcome, src=0)
     if isinstance(outcome[0], PipelineConfigError):
         raise outcome[0]
     return replace(options, **outcome[0], planned=True)
+
+
+def _measured_on_every_rank(module: nn.Module, batch: Any, layers: str) -> tuple[ModelCosts, str]:
+    """The model's costs measured by every rank at once, as ``balance="profile"`` does: each rank's profile then
+    shares the memory bandwidth and caches with the others as training will, and their mean is less noisy. A rank
+    that could not measure stops every rank with its error, after the one exchange all of them reach."""
+    try:
+        mine: tuple[ModelCosts, str] | str = _model_costs(module, batch, layers)
+    except Exception as error:  # noqa: BLE001 (every rank stops with it, none waits for a choice)
+        log.exception("Measuring the model for schedule='auto' failed")
+        mine = f"{type(error).__name__}: {error}"
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    failed = [(r, e) for r, e in enumerate(every) if isinstance(e, str)]
+    if failed:
+        rank, error = failed[0]
+        raise PipelineConfigError(
+            f"schedule='auto' could not measure the model on rank {rank} ({error}); give the schedule, n_microbatches"
+            " and balance explicitly, or plan with python -m lightning_pp.plan."
+        )
+    source = f"{every[0][1]} (the mean of {len(every)} ranks measuring at once)"
+    return mean_costs([costs for costs, _ in every]), source
 
 
 def _resumed(recorded: Mapping[str, Any] | None, options: PipelineOptions, layout: Layout) -> PipelineOptions | None:
@@ -114,18 +153,16 @@ def recorded_choice(options: PipelineOptions) -> dict[str, Any]:
 
 
 def _plan(
-    module: nn.Module, batch: Any, options: PipelineOptions, layout: Layout, machine: Machine, fitted: bool
+    costs: ModelCosts,
+    source: str,
+    options: PipelineOptions,
+    layout: Layout,
+    machine: Machine,
+    fitted: bool,
+    size: int,
+    device: torch.device,
+    start: float,
 ) -> dict[str, Any]:
-    start = time.perf_counter()
-    size, device = batch_size_of(batch), _device_of(batch)
-    held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()] if t.device == device)
-    base = base_bytes(device, held)  # on a CPU before the profile, which leaves its garbage in the heap
-    costs, source = _model_costs(module, batch, options.layers, size)
-    return_free_memory(device)
-    if device.type == "cuda":  # on a GPU after it, its cache emptied: the kernels and cuBLAS workspaces it loaded
-        base = base_bytes(device, held)  # stay for training (198 MiB on an H100 for a 300 M-parameter GPT, torch 2.11)
-    if not fitted:  # the stand-in's base; the calibration job measured its own
-        machine = replace(machine, base_bytes=base)
     limit = _limit_mib(options, device, layout)
     ranked = _ranked(costs, machine, options, layout, size, limit)
     if not ranked:
@@ -142,25 +179,19 @@ def _plan(
     return choice
 
 
-def _model_costs(module: nn.Module, batch: Any, layers: str, size: int) -> tuple[ModelCosts, str]:
-    """The model's costs, and where they come from: this host's cache (a restarted run), its FLOPs counted on meta
-    (no weights to run), or its own step measured on a copy of the batch (the sanity check's is made under inference
-    mode) where the module is."""
-    costs = saved_costs(module, batch, layers)
-    if costs is not None:
-        return costs, "this model's costs measured before on this host"
+def _model_costs(module: nn.Module, batch: Any, layers: str) -> tuple[ModelCosts, str]:
+    """The model's costs, and where they come from: its FLOPs counted on meta (no weights to run), or its own step
+    measured on a copy of the batch (the sanity check's is made under inference mode) where the module is."""
+    size = batch_size_of(batch)
     if any(p.is_meta for p in module.parameters()):
         rate = matmul_rate(_device_of(batch), next(module.parameters()).dtype)
         costs = counted_costs(module, batch, layers, profiled_sizes(size), rate)
-        source = f"the first batch's FLOPs counted on meta at {rate / 1e9:.0f} GFLOP/s"
-    else:
-        at = next(module.parameters()).device
-        gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-        with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
-            copy = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
-            costs, source = profile_module(module, copy, layers, profiled_sizes(size)), "the first batch's costs"
-    save_costs(costs, module, batch, layers)
-    return costs, source
+        return costs, f"the first batch's FLOPs counted on meta at {rate / 1e9:.0f} GFLOP/s"
+    at = next(module.parameters()).device
+    gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
+        copy = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
+        return profile_module(module, copy, layers, profiled_sizes(size)), "the first batch's costs"
 
 
 def _choices(options: PipelineOptions, layout: Layout, size: int) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import lightning as L
@@ -59,6 +59,22 @@ def profiled_sizes(batch_size: int) -> list[int]:
     """The smallest, a middle and the largest micro-batch the plan may use: costs are affine in between."""
     sizes = [batch_size // m for m in range(1, batch_size + 1) if batch_size % m == 0]
     return sorted({sizes[-1], sizes[len(sizes) // 2], sizes[0]})
+
+
+def mean_costs(every: Sequence[ModelCosts]) -> ModelCosts:
+    """Several ranks' costs of one model as one: their times averaged; the bytes, the same on every rank, kept."""
+    measured = tuple(
+        replace(
+            first, **{k: tuple(map(statistics.fmean, zip(*(getattr(c.measured[i], k) for c in every)))) for k in _TIMES}
+        )
+        for i, first in enumerate(every[0].measured)
+    )
+    return replace(
+        every[0], measured=measured, optimizer_s_per_byte=statistics.fmean(c.optimizer_s_per_byte for c in every)
+    )
+
+
+_TIMES = ("forward", "backward", "input_grad", "weight_grad")
 
 
 def _optimizer_costs(module: L.LightningModule, run_step: Any, repeats: int = 3) -> tuple[float, float]:
