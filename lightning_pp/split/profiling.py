@@ -57,7 +57,7 @@ def profile_costs(
     buffers such as running statistics, the random state).
     """
     device = next(module.parameters()).device
-    clock = _Clock(device)
+    clock = _Clock(device, module)
     with _untouched(module, device):
         # validation may come first: its batch is an inference tensor, which autograd cannot save
         args, kwargs = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, (args, kwargs))
@@ -91,17 +91,20 @@ def flops_of(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any]) ->
 class _Clock:
     """Seconds once the device's queued work is done, less the time spent in ``cold``.
 
-    In a pipeline, other micro-batches and the other ranks run between two uses of a layer, so a stage's action
-    finds its weights (and gradients) gone from the cache; timed warm, one after another, small layers look
-    cheaper than they run there. ``cold`` evicts the last-level cache before each segment (reading a buffer
-    twice its size) but for the segment's inputs, which come hot from the segment before. On this project's CPU
-    machine a GPT stage (4 blocks, d=256, 2 samples) took 39.8 ms forward and backward in the pipeline, 36.2
-    profiled warm, 40.2 cold.
+    In a pipeline, other micro-batches and the other ranks run between two uses of a layer: a model whose weights
+    and gradients outgrow the device's last-level cache finds a stage's weights gone from it at each action, and
+    timed warm, one segment after another, its small layers look cheaper than they run there. For such a model
+    ``cold`` evicts the cache before each segment (reading a buffer twice its size) but for the segment's inputs,
+    which come hot from the segment before; a model that fits stays warm in the pipeline too, and is timed so. On
+    this project's CPU machine a GPT stage (4 blocks, d=256, 2 samples; 54 MiB of weights and gradients against a
+    32 MiB cache) took 39.8 ms forward and backward in the pipeline, 36.2 profiled warm, 40.2 cold.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, module: nn.Module) -> None:
         self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self._evictor = torch.ones(2 * _last_level_cache_bytes(device) // 4, device=device)
+        cache = _last_level_cache_bytes(device)
+        outgrows = 2 * sum(p.nbytes for p in module.parameters()) > cache
+        self._evictor = torch.ones(2 * cache // 4, device=device) if outgrows else None
         self._cold_s = 0.0
 
     def now(self) -> float:
@@ -109,6 +112,8 @@ class _Clock:
         return time.perf_counter() - self._cold_s
 
     def cold(self, *keep: Any) -> None:
+        if self._evictor is None:
+            return
         start = self.now()
         with torch.no_grad():
             self._evictor.sum()
@@ -278,7 +283,7 @@ def measure_segments(
     """Time and count one micro-batch of ``size`` samples through ``run_step`` (the user's step, returning its
     loss) on a real module in one process; the module's gradients, buffers and random state stay as they were."""
     device = next(module.parameters()).device
-    clock = _Clock(device)
+    clock = _Clock(device, module)
     with _untouched(module, device):
         inputs: dict[int, tuple[tuple, dict]] = {}
         with _layer_inputs(layers, inputs), _SavedBytes(module, layers) as counted:
