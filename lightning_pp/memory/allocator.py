@@ -88,7 +88,7 @@ def trim_before_backward(pipeline_stage: Any) -> None:
 
 def return_free_memory(device: torch.device) -> None:
     """What a one-off left free goes back now, so that the steps do not carry it (schedule="auto"'s profile of the
-    whole model on rank 0, the calibration job's fits): on a GPU torch's cache, on a CPU the heap's free pages
+    whole model on every rank, the calibration job's fits): on a GPU torch's cache, on a CPU the heap's free pages
     where the strategy manages glibc's allocator."""
     if device.type == "cuda":
         torch.cuda.empty_cache()

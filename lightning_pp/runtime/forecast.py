@@ -1,7 +1,7 @@
 """What ``schedule="auto"`` predicted, against what the first training steps measured: said once, on rank 0.
 
-A plan is made from one profile of the first batch on rank 0; a noisy profile, or a cost the planner does not
-model, can make it wrong without anything failing. After the first step (which compiles and warms the caches)
+A plan is made from one profile of the first batch (every rank's, averaged); a noisy profile, or a cost the planner
+does not model, can make it wrong without anything failing. After the first step (which compiles and warms the caches)
 every rank times its steps until the fifth begins, and takes its own peak since the pipeline was built (planning's
 profile and the build left out): the device's on a GPU (the allocator's peak plus what lives outside it, the CUDA
 context), the process's resident high-water mark on a CPU. Rank 0 says both beside the prediction, and warns
