@@ -31,6 +31,19 @@ def test_a_users_per_block_compile_stays_compiled_with_12_layers(tmp_path, refer
     assert len(losses) == len(expected) > 0 and max(abs(a - b) for a, b in zip(losses, expected)) <= 2e-4
 
 
+def test_auto_measures_blocks_the_user_compiled_and_trains_as_one_process(tmp_path, reference):
+    # the profile's hooks run inside each compiled block: dynamo traced them, could not read a size off its fake
+    # tensors and every rank stopped ("could not measure the model")
+    cfg = dict(model="block_compiled", schedule="auto", devices=2, batch=8, n_train=16, n_val=4, n_layers=4)
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    assert "recompile_limit" not in job.output and "schedule='auto' chose" in job.output
+    for rank in range(2):
+        dynamo = job.rank(rank)["dynamo"]
+        assert dynamo["frames"]["ok"] == dynamo["frames"]["total"], dynamo
+    m = job.rank(0)["chosen"]["n_microbatches"]
+    assert_state_equal(job.state(), reference(**_micro({**cfg, "m": m}))["state"], PARAM_TOL)
+
+
 @pytest.mark.parametrize(
     "schedule,compile,recompute,precision",
     [("1f1b", True, False, "bf16-mixed"), ("gpipe", EAGER, True, "16-mixed-cpu"), ("interleaved_1f1b", EAGER, False,

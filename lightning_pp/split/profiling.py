@@ -213,7 +213,10 @@ def _timed_run(
 
     handles = []
     for i, layer in enumerate(layers.values()):
-        handles += [layer.register_forward_pre_hook(on_start(i)), layer.register_forward_hook(on_end(i))]
+        handles += [
+            layer.register_forward_pre_hook(_eager(on_start(i))),
+            layer.register_forward_hook(_eager(on_end(i))),
+        ]
     try:
         cold()
         t0 = now()
@@ -339,7 +342,9 @@ def _layer_inputs(layers: Mapping[str, nn.Module], into: dict[int, tuple[tuple, 
 
         return hook
 
-    handles = [layer.register_forward_pre_hook(keep(i), with_kwargs=True) for i, layer in enumerate(layers.values())]
+    handles = [
+        layer.register_forward_pre_hook(_eager(keep(i)), with_kwargs=True) for i, layer in enumerate(layers.values())
+    ]
     try:
         yield
     finally:
@@ -432,12 +437,12 @@ class _SavedBytes:
             h
             for i, layer in enumerate(self._layers)
             for h in (
-                layer.register_forward_pre_hook(self._enter(i), with_kwargs=True),
-                layer.register_forward_hook(self._leave(i)),
+                layer.register_forward_pre_hook(_eager(self._enter(i)), with_kwargs=True),
+                layer.register_forward_hook(_eager(self._leave(i))),
             )
         ]
-        self._handles.append(nn.modules.module.register_module_forward_pre_hook(self._ran))
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._handles.append(nn.modules.module.register_module_forward_pre_hook(_eager(self._ran)))
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(_eager(self._pack), lambda t: t)
         self._hooks.__enter__()
         return self
 
@@ -445,6 +450,13 @@ class _SavedBytes:
         self._hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` run as Python inside a block the user compiled (``block.compile()`` traces the block's hooks, and
+    runs every Python frame called under it through dynamo): dynamo cannot read sizes, clocks or storages off its
+    fake tensors, and recompiles a hook per tensor stride until its limit."""
+    return torch.compiler.disable(hook, recursive=True)
 
 
 def _nbytes(tree: Any) -> int:
