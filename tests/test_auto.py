@@ -15,6 +15,7 @@ from test_parity import common
 from test_tied import assert_state_equal, combined
 
 from lightning_pp import PipelineStrategy
+from lightning_pp.choose.auto import _counted, _measured_here
 from lightning_pp.choose.costs import profile_module, save_costs, saved_costs
 from lightning_pp.choose.machine import Machine
 from lightning_pp.choose.planner import ModelCosts, plan
@@ -158,6 +159,25 @@ def test_a_models_measured_costs_are_kept_per_model_and_batch_shape(tmp_path, mo
         saved_costs(model, longer, "net.blocks") is None
         and saved_costs(TinyGPT(n_layers=3), batch, "net.blocks") is None
     )
+
+
+def test_a_module_too_large_to_bring_to_the_ranks_device_is_costed_by_its_flops_and_left_as_it_was():
+    # built on the CPU for a GPU run: moved to the GPU for the profile when it fits easily, else its FLOPs are
+    # counted through meta stand-ins of its tensors (timed on the CPU, the costs were the CPU's, and took minutes)
+    gib, cpu, gpu = 2**30, torch.device("cpu"), torch.device("cuda", 0)
+    assert _measured_here(cpu, gpu, 6 * gib, 80 * gib) and not _measured_here(cpu, gpu, 7 * gib, 80 * gib)
+    assert _measured_here(cpu, cpu, 70 * gib, 0)  # trained where it is: timed there
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=3)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = {"tokens": torch.zeros(4, 8, dtype=torch.long), "targets": torch.zeros(4, 8, dtype=torch.long)}
+    counted = _counted(model, batch, "net.blocks", [1, 4], 1e12)
+    with torch.device("meta"):
+        built = TinyGPT(n_layers=3)
+    assert counted == _counted(built, batch, "net.blocks", [1, 4], 1e12)
+    assert counted.measured[1].forward[1] > 0 and counted.measured[1].saved_bytes[1] > 0
+    after = model.state_dict()
+    assert all(after[k].device == cpu and torch.equal(after[k], v) for k, v in before.items())
 
 
 def test_auto_costs_a_model_built_on_meta_in_flops_and_trains_as_one_process(tmp_path, reference):

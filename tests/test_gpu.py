@@ -66,6 +66,18 @@ def test_one_gpu_holds_a_v_behind_a_frozen_stage(tmp_path, reference):
 
 
 @gpus(2)
+def test_auto_measures_a_module_built_on_the_cpu_on_the_gpu_it_trains_on(tmp_path, reference):
+    cfg = dict(CUDA, schedule="auto", devices=2)
+    job = pipelined(cfg, tmp_path)
+    assert "the first batch's costs (the module moved to cuda:0 for it)" in job.output
+    for r in range(2):
+        assert job.rank(r)["param_devices"] == [f"cuda:{r}"]
+    m = job.rank(0)["chosen"]["n_microbatches"]
+    ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})
+    assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+
+
+@gpus(2)
 def test_a_meta_built_model_is_materialised_on_each_rank_s_device(tmp_path, reference):
     cfg = dict(CUDA, model="init", build="init_module", devices=2, m=2)
     job = pipelined(cfg, tmp_path)

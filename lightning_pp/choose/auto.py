@@ -13,10 +13,11 @@ measuring again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -51,6 +52,7 @@ from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import Forecast, PipelineOptions, memory_limit_bytes
 from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
 from lightning_pp.memory.allocator import return_free_memory
+from lightning_pp.memory.materialize import on_meta
 from lightning_pp.split.microbatch import batch_size_of
 
 log = logging.getLogger("lightning.pytorch.pipeline")
@@ -180,18 +182,57 @@ def _plan(
 
 
 def _model_costs(module: nn.Module, batch: Any, layers: str) -> tuple[ModelCosts, str]:
-    """The model's costs, and where they come from: its FLOPs counted on meta (no weights to run), or its own step
-    measured on a copy of the batch (the sanity check's is made under inference mode) where the module is."""
-    size = batch_size_of(batch)
-    if any(p.is_meta for p in module.parameters()):
-        rate = matmul_rate(_device_of(batch), next(module.parameters()).dtype)
-        costs = counted_costs(module, batch, layers, profiled_sizes(size), rate)
-        return costs, f"the first batch's FLOPs counted on meta at {rate / 1e9:.0f} GFLOP/s"
-    at = next(module.parameters()).device
+    """The model's costs, and where they come from: its own step measured on a copy of the batch (the sanity
+    check's is made under inference mode) on the rank's device, or its FLOPs counted on meta where there are no
+    weights to run (a meta build) or the weights are elsewhere and too large to bring (see ``_measured_here``)."""
+    size, device = batch_size_of(batch), _device_of(batch)
+    at, meta = next(module.parameters()).device, any(p.is_meta for p in module.parameters())
+    held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
+    if meta or not _measured_here(at, device, held, _free_bytes(device)):
+        rate = matmul_rate(device, next(module.parameters()).dtype)
+        costs = _counted(module, batch, layers, profiled_sizes(size), rate)
+        why = "" if meta else f" (the module is on the {at.type}, too large to measure on {device})"
+        return costs, f"the first batch's FLOPs counted on meta{why} at {rate / 1e9:.0f} GFLOP/s"
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad():
-        copy = tree_map(lambda t: t.to(at, copy=True) if isinstance(t, torch.Tensor) else t, batch)
-        return profile_module(module, copy, layers, profiled_sizes(size)), "the first batch's costs"
+    # moved outside inference mode (the sanity check's), or the weights would come back as inference tensors
+    with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad(), _moved(module, device):
+        copy = tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, batch)
+        costs = profile_module(module, copy, layers, profiled_sizes(size))
+    return costs, "the first batch's costs" + ("" if at == device else f" (the module moved to {device} for it)")
+
+
+def _counted(module: nn.Module, batch: Any, layers: str, sizes: list[int], rate: float) -> ModelCosts:
+    """``counted_costs`` of a module on meta, or of one elsewhere through meta stand-ins of its tensors (nothing runs
+    on its weights, which stay as they are)."""
+    meta = any(p.is_meta for p in module.parameters())
+    with contextlib.nullcontext() if meta else on_meta(module):
+        return counted_costs(module, batch, layers, sizes, rate)
+
+
+def _measured_here(at: torch.device, device: torch.device, nbytes: int, free: int) -> bool:
+    """Time the model on the rank's ``device``, where it will train: a module built on the CPU for a GPU run moves
+    there for the profile when six times its ``nbytes`` (weights, gradients, Adam's two states and the step's
+    activations, a guess) fit in half the ``free`` bytes. Timed on the CPU instead, a model's costs would be the
+    CPU's (and take it minutes); one too large is costed by its FLOPs."""
+    return at == device or 12 * nbytes <= free
+
+
+def _free_bytes(device: torch.device) -> int:
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
+
+
+@contextlib.contextmanager
+def _moved(module: nn.Module, device: torch.device) -> Iterator[None]:
+    """``module`` on ``device`` for the block, then back where it was (its Parameter objects kept)."""
+    at = next(module.parameters()).device
+    if at == device:
+        yield
+        return
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to(at)
 
 
 def _choices(options: PipelineOptions, layout: Layout, size: int) -> dict[str, Any]:

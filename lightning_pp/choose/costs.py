@@ -109,10 +109,13 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
 
 
 def _signature(module: nn.Module, batch: Any, layers: str) -> str:
-    """The model (its class, parameter names, shapes and dtypes), its layers and the batch's shapes."""
+    """The model (its class, parameter names, shapes and dtypes), its layers and the batch's shapes and device
+    type (where the costs were measured: a GPU run's are not a CPU run's of the same model)."""
     parts = [type(module).__qualname__, layers]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
-    parts += [f"{tuple(t.shape)}:{t.dtype}" for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    parts += [
+        f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)
+    ]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
