@@ -13,6 +13,7 @@ from lightning_pp.layout.schedule import (
     normalize_schedule,
     rank_of_stage,
     resolve_stages_per_rank,
+    schedule_for,
     stages_of_rank,
 )
 from lightning_pp.runtime.relay import LogRecord, LogRecorder, combine
@@ -46,8 +47,14 @@ def test_default_microbatches_is_the_largest_divisor_within_bounds():
     # interleaved 1F1B runs rounds of pp micro-batches: 9 would need 9 % 4 rounds == 0, so 8 it is
     assert default_microbatches(72, "interleaved_1f1b", 2, 4) == 12
     assert default_microbatches(18, "interleaved_1f1b", 2, 4) == 6
-    with pytest.raises(PipelineConfigError, match="no divisor of 11 lies between 2 and 8"):
-        default_microbatches(11, "1f1b", 2, 2)
+    # a batch with no divisor in [stages, 4 x stages] (a last, partial one; a prime size): the nearest above, else
+    # the largest below, which 1F1B and DualPipeV run in GPipe's and ZBV's order
+    assert default_microbatches(11, "1f1b", 2, 2) == 11 and default_microbatches(1, "1f1b", 2, 2) == 1
+    assert default_microbatches(3, "dualpipev", 2, 4) == 3 and schedule_for("dualpipev", 3, 4) == "zbv"
+    assert schedule_for("1f1b", 1, 2) == "gpipe" and schedule_for("1f1b", 2, 2) == "1f1b"
+    assert schedule_for("interleaved_1f1b", 1, 4) == "interleaved_1f1b"
+    with pytest.raises(PipelineConfigError, match="schedule='2bw' accepts no divisor of 1"):
+        default_microbatches(1, "2bw", 2, 2)  # PipeDream-2BW's stream keeps 1F1B's order
 
 
 def test_schedule_names():

@@ -135,7 +135,7 @@ class PipelineOptions:
 
 
 def microbatches_for(o: PipelineOptions, batch_size: int, pp: int, n_stages: int) -> int:
-    """``n_microbatches``, or by default the largest divisor of this batch size in [stages, 4 x stages] (also for a
+    """``n_microbatches``, or by default ``default_microbatches``' count for this batch size (also for a
     batch that the count "auto" chose does not divide: the last, partial one)."""
     m = o.n_microbatches
     if m is not None and (o.given_microbatches is not None or batch_size % m == 0):

@@ -110,19 +110,38 @@ def _v_rank(stage: int, pp: int) -> int:
 
 def default_microbatches(batch_size: int, schedule: str, pp: int, n_stages: int) -> int:
     """The largest divisor of the batch size in [stages, 4 x stages] that the schedule accepts: fills the
-    pipeline, keeps micro-batches big."""
-    for m in range(min(batch_size, 4 * n_stages), n_stages - 1, -1):
-        if batch_size % m == 0:
-            try:
-                check_microbatches(schedule, m, pp, n_stages)
-            except PipelineConfigError:
-                continue
-            return m
+    pipeline, keeps micro-batches big. A batch without one (a last, partial batch; a prime size) takes the divisor
+    nearest that range: the smallest above it, else the largest below it, which ``schedule_for`` runs in an order
+    that takes fewer micro-batches than stages. Refusing such a batch stopped a fit whose validation set was not a
+    multiple of the batch size."""
+    accepted = [m for m in range(1, batch_size + 1) if batch_size % m == 0 and _accepts(schedule, m, pp, n_stages)]
+    inside = [m for m in accepted if n_stages <= m <= 4 * n_stages]
+    above, below = [m for m in accepted if m > 4 * n_stages], [m for m in accepted if m < n_stages]
+    if inside or above or below:
+        return max(inside) if inside else min(above) if above else max(below)
     raise PipelineConfigError(
-        f"Cannot choose n_microbatches for a batch of {batch_size} samples on {n_stages} stages: no divisor of"
-        f" {batch_size} lies between {n_stages} and {4 * n_stages}. Set PipelineStrategy(n_microbatches=...)"
-        f" or use a batch size that is a multiple of {n_stages}."
+        f"Cannot choose n_microbatches for a batch of {batch_size} samples on {n_stages} stages: schedule={schedule!r}"
+        f" accepts no divisor of {batch_size}. Set PipelineStrategy(n_microbatches=...) or use a batch size that is"
+        f" a multiple of {n_stages}."
     )
+
+
+def schedule_for(schedule: str, n_microbatches: int, n_stages: int) -> str:
+    """The schedule a batch of ``n_microbatches`` runs: 1F1B and DualPipeV need a micro-batch per stage, so a batch
+    split into fewer runs the same stages in GPipe's and ZBV's order (the same forwards and backwards, each
+    micro-batch's gradients added in the same order)."""
+    return _FEWER.get(schedule, schedule) if n_microbatches < n_stages else schedule
+
+
+_FEWER = {"1f1b": "gpipe", "dualpipev": "zbv"}
+
+
+def _accepts(schedule: str, m: int, pp: int, n_stages: int) -> bool:
+    try:
+        check_microbatches(schedule_for(schedule, m, n_stages), m, pp, n_stages)
+    except PipelineConfigError:
+        return False
+    return True
 
 
 def check_microbatches(schedule: str, n_microbatches: int, pp: int, n_stages: int) -> None:
@@ -207,7 +226,7 @@ def build_schedule(name: str, stages: list[Any], n_microbatches: int, loss_fn: A
     steal_bwd_input"), so evaluation under them runs the same stages with torch's runtime in plain
     forward order instead.
     """
-    name = normalize_schedule(name)
+    name = schedule_for(normalize_schedule(name), n_microbatches, stages[0].num_stages)
     if name in V_SHAPED and not train:
         return _ForwardOnlyV(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if name in SINGLE_STAGE:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage
@@ -24,7 +25,7 @@ from torch.utils._pytree import tree_map_only
 from lightning_pp.compat import buffers_kept_through_metadata_inference
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Forecast
-from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule
+from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule, schedule_for
 from lightning_pp.lifecycle.failure import failures_shared
 from lightning_pp.memory.allocator import training_step_begins, trim_before_backward
 from lightning_pp.runtime.forecast import ForecastCheck
@@ -220,6 +221,13 @@ class PipelineRunner:
                 for w, index in zip(wrappers, self.stage_indices)
             ]  # fmt: skip
             schedule = self._build(stages, n_microbatches, train)
+            order = schedule_for(self.schedule_name, n_microbatches, self.n_stages)
+            if train and order != self.schedule_name:
+                rank_zero_info(
+                    f"A training batch of {n_microbatches} micro-batch(es) on {self.n_stages} stages runs in"
+                    f" {order!r}'s order ({self.schedule_name!r} needs a micro-batch per stage): the same gradients,"
+                    f" more waiting in that step; a batch of a multiple of {self.n_stages} samples fills the pipeline."
+                )
             for chunk, stage in enumerate(stages):
                 trim_before_backward(stage)
                 self.recorder.instrument(stage, schedule, chunk)
