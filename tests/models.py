@@ -403,6 +403,23 @@ class HFLlama(HFGPT2):
         return self.model(**{"input_ids": batch["tokens"], "labels": batch["targets"]}).loss
 
 
+class HFOlmo3(HFLlama):
+    """Hugging Face's ``Olmo3ForCausalLM``: sliding-window and full attention layers, and one rotary embedding that
+    forward calls once per layer type (the tracer names its second call ``rotary_emb@1``)."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import Olmo3Config, Olmo3ForCausalLM
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = Olmo3Config(
+            vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=n_layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, sliding_window=4, use_cache=False, pad_token_id=0,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.model = Olmo3ForCausalLM(config)
+
+
 class HFGPT2Logits(HFGPT2):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**{**kwargs, "logits": True})

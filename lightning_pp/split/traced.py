@@ -22,6 +22,7 @@ import copy
 import functools
 import inspect
 import operator
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -137,7 +138,7 @@ class Tracer:
 
     def names_per_stage(self, trace: _Trace) -> list[set[str]]:
         """The whole module's names of the parameters and buffers each stage's piece uses."""
-        return [{self._prefix + n for n in _used(piece)} for piece in trace.pieces]
+        return [{self._prefix + _model_name(n) for n in _used(piece)} for piece in trace.pieces]
 
     def stages(
         self,
@@ -386,9 +387,9 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
         slots = owner._parameters if attr in owner._parameters else owner._buffers
         if name not in used:
             del slots[attr]
-        elif _holds(view, prefix + name):
-            slots[attr] = get_path(view, prefix + name)
-            bindings.append((slots, attr, prefix + name))
+        elif _holds(view, prefix + _model_name(name)):
+            slots[attr] = get_path(view, prefix + _model_name(name))
+            bindings.append((slots, attr, prefix + _model_name(name)))
         else:  # a number forward made into a tensor (see _OnMeta)
             slots[attr] = tensor.to(device)
     for sub in list(piece.modules()):
@@ -476,7 +477,7 @@ def _check_made_by_forward(skeleton: nn.Module, pieces: list[nn.Module]) -> None
         name
         for piece in pieces
         for name in _used(piece)
-        if not _holds(skeleton, name) and get_path(piece, name).is_meta
+        if not _holds(skeleton, _model_name(name)) and get_path(piece, name).is_meta
     )
     if made:
         raise PipelineConfigError(
@@ -485,6 +486,12 @@ def _check_made_by_forward(skeleton: nn.Module, pieces: list[nn.Module]) -> None
             " values. Compute them in __init__ and register them as buffers (`self.register_buffer(name, tensor,"
             f" persistent=False)`), or use {_ALTERNATIVES}."
         )
+
+
+def _model_name(name: str) -> str:
+    """The module's own name of a piece's tensor: the tracer names a module's second call ``rotary_emb@1`` (HF
+    Olmo3 calls its rotary embedding once per layer type), which holds the same tensors as the first."""
+    return re.sub(r"@\d+(?=\.|$)", "", name)
 
 
 def _holds(module: nn.Module, name: str) -> bool:
