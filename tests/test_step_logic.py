@@ -133,8 +133,18 @@ def test_capture_stops_at_the_model_call_and_discards_earlier_logs():
             return torch.zeros(())
 
     never = Never()
-    with pytest.raises(PipelineConfigError, match="never calls the model"):
+    with pytest.raises(PipelineConfigError, match=r"did not call the model \(self\(\.\.\.\)\) for") as error:
         capture_model_call(never, {"": never}, never.step, ({}, 0), {}, "training_step")
+    assert "returned None" not in str(error.value)
+
+    class Skips(M):  # Lightning skips a batch whose step returns None; the pipeline's stages cannot
+        def step(self, batch, idx):
+            return None if idx == 1 else self(batch["x"]).sum()
+
+    skips = Skips()
+    assert capture_model_call(skips, {"": skips}, skips.step, ({"x": torch.ones(2)}, 0), {}, "step").entry == ""
+    with pytest.raises(PipelineConfigError, match="It returned None, which skips the batch.*in the DataLoader"):
+        capture_model_call(skips, {"": skips}, skips.step, ({"x": torch.ones(2)}, 1), {}, "training_step")
 
 
 def test_logs_combine_over_microbatches_by_reduce_fx():

@@ -134,12 +134,19 @@ def capture_model_call(
             stack.enter_context(patched(module, log=_discard))
             for name, entry in entries.items():
                 stack.enter_context(patched(entry, forward=capture(name)))
-            step(*step_args, **step_kwargs)
+            returned = step(*step_args, **step_kwargs)
     except _Captured as found:
         return found.call
+    others = f", or one of {sorted(entries)[1:]}" if len(entries) > 1 else ""
+    skipped = (
+        " It returned None, which skips the batch in plain Lightning; the pipeline's stages run each batch together,"
+        " so drop such batches in the DataLoader (its dataset or collate_fn) instead."
+        if returned is None
+        else ""
+    )
     raise PipelineConfigError(
-        f"{type(module).__name__}.{hook_name} never calls the model (self(...), or one of {sorted(entries)[1:]});"
-        " under the pipeline the step must call the model exactly once, with the batch's inputs."
+        f"{type(module).__name__}.{hook_name} did not call the model (self(...){others}) for this batch; under the"
+        f" pipeline the step must call the model exactly once, with the batch's inputs.{skipped}"
     )
 
 
