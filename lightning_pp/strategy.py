@@ -60,7 +60,7 @@ from lightning_pp.runtime.twobw import (
     stash_older,
 )
 from lightning_pp.runtime.weighting import WindowWeights, weights_of
-from lightning_pp.split.microbatch import batch_size_of, seeded_shuffle, split_batch
+from lightning_pp.split.microbatch import batch_size_of, known_containers, seeded_shuffle, split_batch
 from lightning_pp.split.planning import check_module, check_training_setup, learn_placement
 from lightning_pp.split.stage import Placement, model_entries
 from lightning_pp.split.tied import share_parameters
@@ -331,8 +331,8 @@ class PipelineStrategy(ParallelStrategy):
         self._check_loaders("predict", trainer.predict_dataloaders, trainer.num_predict_batches)
 
     def _prepare(self, hook: str, args: tuple, kwargs: dict) -> PipelineRunner:
-        if len(args) < 2 or args[1] == 0:  # the first batch of each pass over a loader
-            check_same_batch(args[0], self._groups.pp)
+        if len(args) < 2 or args[1] == 0 or self._runner is None:  # each pass's first batch, a resumed one
+            check_same_batch(known_containers(args[0]), self._groups.pp)
         return self._ensure_pipeline(hook, args, kwargs)
 
     def _pipelined(

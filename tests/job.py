@@ -378,7 +378,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         torch.set_num_threads(cfg["threads"])
     L.seed_everything(cfg.get("seed", 0), verbose=False)
     batch = cfg.get("batch", 8)
-    data = dict(pad=cfg.get("pad", False), vary=cfg.get("vary", False))
+    data = dict(pad=cfg.get("pad", False), vary=cfg.get("vary", False), encoded=cfg.get("encoded", False))
     train = loader(cfg.get("n_train", 64), batch, seed=0, **data)
     val = loader(cfg.get("n_val", 32), cfg.get("val_batch", batch), seed=1, **data)
     reload = functools.partial(DataLoader, train.dataset, batch_size=batch, collate_fn=train.collate_fn)

@@ -151,11 +151,25 @@ class Tokens(Dataset):
 
 
 def loader(
-    n: int, batch_size: int, seed: int = 0, seq: int = 8, vocab: int = 32, pad: bool = False, vary: bool = False
+    n: int,
+    batch_size: int,
+    seed: int = 0,
+    seq: int = 8,
+    vocab: int = 32,
+    pad: bool = False,
+    vary: bool = False,
+    encoded: bool = False,
 ) -> DataLoader:
-    """``vary``: each batch cut to its own sequence length (3 to ``seq``), as dynamic padding pads to the longest."""
-    collate = _cut_to_a_length_of_its_own if vary else None
+    """``vary``: each batch cut to its own sequence length (3 to ``seq``), as dynamic padding pads to the longest;
+    ``encoded``: each batch a Hugging Face ``BatchEncoding``, as its data collators return."""
+    collate = _cut_to_a_length_of_its_own if vary else _encoded if encoded else None
     return DataLoader(Tokens(n, seq, vocab, seed, pad), batch_size=batch_size, shuffle=False, collate_fn=collate)
+
+
+def _encoded(samples: list[dict]) -> object:
+    from transformers import BatchEncoding
+
+    return BatchEncoding(torch.utils.data.default_collate(samples))
 
 
 def _cut_to_a_length_of_its_own(samples: list[dict]) -> dict:

@@ -13,7 +13,9 @@ PARAM_TOL = 1e-6
 # each scenario: a pipelined job, and what it is compared against
 SCENARIOS = {
     "gpipe-2-clip-partial": dict(schedule="gpipe", devices=2, m=4, batch=8, n_train=68, clip=0.05),
-    "1f1b-2-default-m-monitor": dict(
+    # batches as Hugging Face's data collators return them (a BatchEncoding, which torch's pytree does not know)
+    "1f1b-2-default-m-monitor-hf-batches": dict(
+        encoded=True,
         schedule="1f1b",
         devices=2,
         m=None,

@@ -1,5 +1,7 @@
 """The pure pieces of a pipelined step: splitting, capture, log combination, schedule checks."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -17,7 +19,7 @@ from lightning_pp.layout.schedule import (
     stages_of_rank,
 )
 from lightning_pp.runtime.relay import LogRecord, LogRecorder, combine
-from lightning_pp.split.microbatch import capture_model_call, split_batch
+from lightning_pp.split.microbatch import batch_size_of, capture_model_call, known_containers, signature, split_batch
 
 
 def test_split_dict_batch_replicates_non_tensor_leaves():
@@ -245,3 +247,24 @@ def test_the_report_relay_carries_small_and_large_reports_in_order(tmp_path):
     sent, received = (pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (1, 0))
     assert received == sent and [len(logs) for _, logs, _ in received] == [1, 400, 2]
     assert received[1][2] > 16384  # the large one took the second message
+
+
+def test_batches_in_containers_torchs_pytree_does_not_know_split_once_their_types_are_known():
+    # Hugging Face's data collators return a BatchEncoding (a UserDict); a dataclass is a common batch too: to
+    # torch's pytree each was one leaf, and the pipeline refused the batch as holding no tensor
+    from transformers import BatchEncoding
+
+    @dataclasses.dataclass
+    class Batch:
+        tokens: torch.Tensor
+        name: str = "train"
+
+    for batch in (BatchEncoding({"tokens": torch.arange(8).reshape(4, 2)}), Batch(torch.arange(8).reshape(4, 2))):
+        before = signature(batch)
+        assert known_containers(batch) is batch and batch_size_of(batch) == 4
+        parts = split_batch(batch, 2)
+        assert [type(p) for p in parts] == [type(batch)] * 2, parts
+        assert torch.equal(parts[1]["tokens"] if isinstance(batch, BatchEncoding) else parts[1].tokens,
+                           torch.arange(4, 8).reshape(2, 2))  # fmt: skip
+        assert signature(batch) != before  # the tensors' shapes sign the batch now, not its type's name
+    assert Batch(torch.zeros(4)).name == split_batch(Batch(torch.zeros(4)), 2)[0].name

@@ -3,19 +3,66 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, NamedTuple
 
 import torch
 from lightning.pytorch.utilities.data import _update_dataloader
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import (
+    SUPPORTED_NODES,
+    MappingKey,
+    keystr,
+    register_dataclass,
+    register_pytree_node,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_unflatten,
+)
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import check_batch_size
 from lightning_pp.memory.materialize import global_seed
 from lightning_pp.split.stage import patched
+
+
+def known_containers(batch: Any) -> Any:
+    """``batch``, with the types of its containers known to torch's pytree, which splits, fingerprints and signs
+    every batch: to it a dataclass or a mapping other than a dict (Hugging Face's ``BatchEncoding``, what its data
+    collators return) is one leaf, and the batch "holds no tensor". A dataclass is registered by its fields; a
+    mapping as its items, rebuilt as ``type(batch)(dict)`` (a type that cannot be stays one leaf). Once per type."""
+    if isinstance(batch, torch.Tensor):
+        return batch
+    kind = type(batch)
+    if dataclasses.is_dataclass(batch):
+        if kind not in SUPPORTED_NODES:
+            register_dataclass(kind)
+        children: Iterable[Any] = (getattr(batch, f.name) for f in dataclasses.fields(batch))
+    elif isinstance(batch, Mapping):
+        if kind not in SUPPORTED_NODES and _rebuilds(batch):
+            register_pytree_node(
+                kind,
+                lambda m: (list(m.values()), list(m.keys())),
+                lambda values, keys, kind=kind: kind(dict(zip(keys, values))),
+                flatten_with_keys_fn=lambda m: ([(MappingKey(k), v) for k, v in m.items()], list(m.keys())),
+            )
+        children = batch.values()
+    elif isinstance(batch, (list, tuple)):
+        children = batch
+    else:
+        return batch
+    for child in children:
+        known_containers(child)
+    return batch
+
+
+def _rebuilds(mapping: Mapping) -> bool:
+    try:
+        return type(mapping)(dict(mapping)).keys() == mapping.keys()
+    except Exception:  # noqa: BLE001 (a type built otherwise stays a leaf, and the batch is refused by name)
+        return False
 
 
 def batch_size_of(batch: Any) -> int:
