@@ -31,6 +31,15 @@ def test_split_dict_batch_replicates_non_tensor_leaves():
     assert parts[0]["pair"][0].shape == (2, 2)
 
 
+def test_split_cuts_lists_of_one_item_per_sample_with_the_tensors():
+    # default_collate lists strings per sample: whole, each micro-batch would pair the batch's first texts with its
+    # own rows (a text metric in validation, per-sample ids); a list of another length goes to every micro-batch
+    batch = {"x": torch.arange(8), "text": [f"t{i}" for i in range(8)], "classes": ["a", "b"], "ids": list(range(8))}
+    parts = split_batch(batch, 4)
+    assert [p["text"] for p in parts] == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"], ["t6", "t7"]]
+    assert parts[2]["ids"] == [4, 5] and parts[2]["x"].tolist() == [4, 5] and parts[3]["classes"] == ["a", "b"]
+
+
 def test_split_rejects_leaves_of_another_length_naming_them():
     with pytest.raises(PipelineConfigError, match=r"\['w'\] has 3 rows but the batch has 8"):
         split_batch({"x": torch.zeros(8), "w": torch.zeros(3)}, 2)

@@ -85,10 +85,12 @@ def tokens_in(batch: Any) -> int | None:
 
 
 def split_batch(batch: Any, n_microbatches: int) -> list[Any]:
-    """Split every tensor leaf on dim 0; scalars and non-tensor leaves go to every micro-batch."""
+    """Split every tensor leaf on dim 0, and every list of as many non-tensor items as samples (the strings or ids
+    ``default_collate`` lists per sample: kept whole, each micro-batch would pair the batch's first ones with its
+    own rows); scalars and other leaves go to every micro-batch."""
     size = batch_size_of(batch)
     check_batch_size(size, n_microbatches)
-    leaves, spec = tree_flatten_with_path(batch)
+    leaves, spec = tree_flatten_with_path(batch, is_leaf=lambda x: _per_sample_list(x, size))
     columns: list[list[Any]] = []
     for path, leaf in leaves:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
@@ -99,9 +101,16 @@ def split_batch(batch: Any, n_microbatches: int) -> list[Any]:
                     " micro-batches (keep per-dataset constants in the module, not in the batch)."
                 )
             columns.append(list(leaf.chunk(n_microbatches)))
+        elif _per_sample_list(leaf, size):
+            step = size // n_microbatches
+            columns.append([leaf[i : i + step] for i in range(0, size, step)])
         else:
             columns.append([leaf] * n_microbatches)
     return [tree_unflatten([col[i] for col in columns], spec) for i in range(n_microbatches)]
+
+
+def _per_sample_list(x: Any, size: int) -> bool:
+    return type(x) is list and len(x) == size and not any(isinstance(t, torch.Tensor) for t in tree_flatten(x)[0])
 
 
 def merge_microbatches(outputs: list[Any]) -> Any:
