@@ -195,7 +195,12 @@ def _model_costs(module: nn.Module, batch: Any, layers: str) -> tuple[ModelCosts
         return costs, f"the first batch's FLOPs counted on meta{why} at {rate / 1e9:.0f} GFLOP/s"
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
     # moved outside inference mode (the sanity check's), or the weights would come back as inference tensors
-    with torch.random.fork_rng(devices=gpus), torch.inference_mode(False), torch.enable_grad(), _moved(module, device):
+    with (
+        torch.random.fork_rng(devices=gpus),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        _moved(module, at, device),
+    ):
         copy = tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, batch)
         costs = profile_module(module, copy, layers, profiled_sizes(size))
     return costs, "the first batch's costs" + ("" if at == device else f" (the module moved to {device} for it)")
@@ -222,9 +227,8 @@ def _free_bytes(device: torch.device) -> int:
 
 
 @contextlib.contextmanager
-def _moved(module: nn.Module, device: torch.device) -> Iterator[None]:
-    """``module`` on ``device`` for the block, then back where it was (its Parameter objects kept)."""
-    at = next(module.parameters()).device
+def _moved(module: nn.Module, at: torch.device, device: torch.device) -> Iterator[None]:
+    """``module`` on ``device`` for the block, then back ``at`` where it was (its Parameter objects kept)."""
     if at == device:
         yield
         return

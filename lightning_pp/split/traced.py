@@ -387,9 +387,9 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
         slots = owner._parameters if attr in owner._parameters else owner._buffers
         if name not in used:
             del slots[attr]
-        elif _holds(view, prefix + _model_name(name)):
-            slots[attr] = get_path(view, prefix + _model_name(name))
-            bindings.append((slots, attr, prefix + _model_name(name)))
+        elif _holds(view, own := prefix + _model_name(name)):
+            slots[attr] = get_path(view, own)
+            bindings.append((slots, attr, own))
         else:  # a number forward made into a tensor (see _OnMeta)
             slots[attr] = tensor.to(device)
     for sub in list(piece.modules()):
