@@ -320,7 +320,7 @@ class PipelineStrategy(ParallelStrategy):
         with self.precision_plugin.predict_step_context():
             self._pipelined("predict_step", args, kwargs, train=False)
         assert self._runner is not None
-        return predictions_to_first_stage(self._runner.outputs, self.layout, self.global_rank)
+        return predictions_to_first_stage(self._runner.outputs, self._runner.mb_rows, self.layout, self.global_rank)
 
     @override
     def on_predict_start(self) -> None:

@@ -19,7 +19,14 @@ from lightning_pp.layout.schedule import (
     stages_of_rank,
 )
 from lightning_pp.runtime.relay import LogRecord, LogRecorder, combine
-from lightning_pp.split.microbatch import batch_size_of, capture_model_call, known_containers, signature, split_batch
+from lightning_pp.split.microbatch import (
+    batch_size_of,
+    capture_model_call,
+    known_containers,
+    merge_microbatches,
+    signature,
+    split_batch,
+)
 
 
 def test_split_dict_batch_replicates_non_tensor_leaves():
@@ -38,6 +45,17 @@ def test_split_cuts_lists_of_one_item_per_sample_with_the_tensors():
     parts = split_batch(batch, 4)
     assert [p["text"] for p in parts] == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"], ["t6", "t7"]]
     assert parts[2]["ids"] == [4, 5] and parts[2]["x"].tolist() == [4, 5] and parts[3]["classes"] == ["a", "b"]
+
+
+def test_predictions_joined_over_micro_batches_are_what_one_call_on_the_batch_returns():
+    # a predict step handing back its ids and texts beside the logits: joined per sample, not per position
+    batch = {"x": torch.arange(8), "text": [f"t{i}" for i in range(8)], "ids": list(range(8))}
+    outputs = [{"y": mb["x"] * 2, "text": mb["text"], "ids": mb["ids"], "split": "val"} for mb in split_batch(batch, 4)]
+    merged = merge_microbatches(outputs, 2)
+    assert merged["text"] == batch["text"] and merged["ids"] == batch["ids"] and merged["split"] == "val"
+    assert merged["y"].tolist() == (batch["x"] * 2).tolist()
+    # what differs per micro-batch and is not one item per sample stays one entry per micro-batch
+    assert merge_microbatches([(torch.zeros(2), i) for i in range(4)], 2)[1] == [0, 1, 2, 3]
 
 
 def test_split_rejects_leaves_of_another_length_naming_them():

@@ -51,14 +51,14 @@ class StepReport:
     metric_states: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
-def predictions_to_first_stage(outputs: dict[int, Any], layout: Layout, rank: int) -> Any:
-    """What the last stage's predict steps returned, joined over micro-batches, on the pipeline's first stage
-    (global rank 0 for the first pipeline); None elsewhere. Tensor-parallel shards hold the same predictions:
-    only shard 0's pipelines hand theirs on."""
+def predictions_to_first_stage(outputs: dict[int, Any], rows: int, layout: Layout, rank: int) -> Any:
+    """What the last stage's predict steps returned, joined over micro-batches of ``rows`` samples, on the
+    pipeline's first stage (global rank 0 for the first pipeline); None elsewhere. Tensor-parallel shards hold the
+    same predictions: only shard 0's pipelines hand theirs on."""
     if layout.tp_rank != 0:
         return None
     first, last = layout.first_stage_rank, layout.last_stage_rank
-    box = [merge_microbatches([outputs[i] for i in sorted(outputs)]) if rank == last else None]
+    box = [merge_microbatches([outputs[i] for i in sorted(outputs)], rows) if rank == last else None]
     if first != last and rank == last:
         dist.send_object_list(box, dst=first)
     elif first != last and rank == first:

@@ -119,6 +119,7 @@ class PipelineRunner:
         self._microbatches: list[Any] = []
         self._losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}  # what the user's step returned, per micro-batch (last stage)
+        self.mb_rows = 0  # samples in each of them
         self._tap = MetricTap(module)
         self.recorder = StepRecorder(label)
         self.last_events: list[Event] = []
@@ -171,9 +172,9 @@ class PipelineRunner:
             wrapper.inputs, wrapper.mb_size = inputs, rows // n_microbatches
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
         self._microbatches, self._losses = microbatches, {}
-        self.outputs = {}
+        self.outputs, self.mb_rows = {}, rows // n_microbatches
         self._recorder = LogRecorder(self._tap.paths)
-        self._recorder.weight = float(rows // n_microbatches)
+        self._recorder.weight = float(self.mb_rows)
 
         self._current = schedule
         sample_index = torch.arange(rows)

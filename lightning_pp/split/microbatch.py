@@ -113,13 +113,14 @@ def _per_sample_list(x: Any, size: int) -> bool:
     return type(x) is list and len(x) == size and not any(isinstance(t, torch.Tensor) for t in tree_flatten(x)[0])
 
 
-def merge_microbatches(outputs: list[Any]) -> Any:
-    """What one call on the whole batch would have returned: tensors joined on dim 0.
+def merge_microbatches(outputs: list[Any], rows: int) -> Any:
+    """What one call on the whole batch would have returned: tensors joined on dim 0, and lists of one item per
+    sample of the micro-batch (``rows`` each: the ids or texts a predict step hands back) joined into one.
 
-    Scalars and non-tensor leaves that agree across micro-batches are kept once; others become a
+    Scalars and other non-tensor leaves that agree across micro-batches are kept once; others become a
     list with one entry per micro-batch.
     """
-    flat = [tree_flatten(out) for out in outputs]
+    flat = [tree_flatten(out, is_leaf=lambda x: _per_sample_list(x, rows)) for out in outputs]
     spec = flat[0][1]
     if any(s != spec for _, s in flat):
         return outputs
@@ -128,6 +129,8 @@ def merge_microbatches(outputs: list[Any]) -> Any:
         first = leaves[0]
         if isinstance(first, torch.Tensor) and first.dim() > 0:
             merged.append(torch.cat(leaves))
+        elif _per_sample_list(first, rows):
+            merged.append([item for leaf in leaves for item in leaf])
         elif all(_same(first, other) for other in leaves[1:]):
             merged.append(first)
         else:
