@@ -13,8 +13,12 @@ PARAM_TOL = 1e-6
 # each scenario: a pipelined job, and what it is compared against
 SCENARIOS = {
     "gpipe-2-clip-partial": dict(schedule="gpipe", devices=2, m=4, batch=8, n_train=68, clip=0.05),
-    # batches as Hugging Face's data collators return them (a BatchEncoding, which torch's pytree does not know)
-    "1f1b-2-default-m-monitor-hf-batches": dict(
+    # the strategy's defaults on a module written for one process: layers not named, a forward that calls every
+    # part (split=None traces it), batches as Hugging Face's data collators return them (a BatchEncoding)
+    "1f1b-2-defaults-unskipping-forward-monitor-hf-batches": dict(
+        model="noskip",
+        layers=None,
+        split=None,
         encoded=True,
         schedule="1f1b",
         devices=2,
@@ -85,6 +89,9 @@ def test_pipeline_matches_one_process(name, tmp_path, reference):
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
     ref = reference(**common(cfg))
     ranks = [job.rank(r) for r in range(cfg["devices"])]
+    if "split" in cfg:  # the defaults found the layers and chose to trace, said once
+        assert job.output.count("Splitting 'net.blocks' into stages: 4 layers (ResidualBlock)") == 1, job.output[-3000:]
+        assert job.output.count("forward calls the parts other stages hold instead of skipping them (on stage 1") == 1
     if cfg.get("balance") == "profile":
         # timed on the sanity check's first batch (an inference tensor), split by the agreed costs, logged once
         assert job.output.count("Profiled forward+backward per micro-batch") == 1, job.output[-3000:]

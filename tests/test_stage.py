@@ -13,12 +13,15 @@ from models import ListGPT, TinyGPT  # noqa: E402
 from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
 from lightning_pp.memory.recompute import checkpoint_layers  # noqa: E402
+from lightning_pp.split.microbatch import ModelCall  # noqa: E402
+from lightning_pp.split.pruned import unskipped_part  # noqa: E402
 from lightning_pp.split.stage import (  # noqa: E402
     Tie,
     find_layers,
     plan_placement,
     prune_to_stages,
     replace_in_view,
+    resolve_layers,
     stage_view,
     trace_forward,
 )
@@ -159,6 +162,56 @@ def test_find_layers_errors_name_the_value_and_the_fix():
         find_layers(model, "blocks")
     with pytest.raises(PipelineConfigError, match=r"layers='norm' is a LayerNorm, not an nn.ModuleList, nn.Sequ"):
         find_layers(model, "norm")
+
+
+class _Moe(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(4)
+        )
+
+
+class _Unnamed(nn.Module):
+    """A user's own names: a stem, an ``encoder`` of MoE blocks (each holding a list of experts), a head."""
+
+    def __init__(self, decoder: int = 0) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.ReLU())  # mixed types: not repeated layers
+        self.encoder = nn.Sequential(*(_Moe(8) for _ in range(3)))
+        self.decoder = nn.ModuleList(_Moe(8) for _ in range(decoder))
+        self.head = nn.Linear(8, 2)
+
+
+def test_the_layers_are_found_when_not_named():
+    assert resolve_layers(_Unnamed(), None) == "encoder"
+    assert resolve_layers(_Unnamed(decoder=1), None) == "encoder"  # one block: nothing to split
+    mlp = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+    assert resolve_layers(nn.ModuleDict({"net": mlp, "loss": nn.CrossEntropyLoss()}), None) == "net"
+    assert resolve_layers(GPT(n_layers=2), None) == "layers"
+    with pytest.raises(PipelineConfigError, match=r"two containers.*'encoder' \(3,408 parameters\) and 'decoder' \("):
+        resolve_layers(_Unnamed(decoder=2), None)
+    with pytest.raises(PipelineConfigError, match=r"Linear holds no nn.ModuleList.*PipelineStrategy\(layers=...\)"):
+        resolve_layers(nn.Linear(2, 2), None)
+
+
+class _CallsEveryPart(HeadFirst):
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.head(self.norm(h))
+
+
+def test_a_forward_that_calls_parts_other_stages_hold_is_found_on_meta():
+    # split=None traces such a forward; one that skips None parts keeps split="prune"
+    x = torch.zeros(2, 3, dtype=torch.long)
+    for module, found in [(HeadFirst(), None), (_CallsEveryPart(), "on stage 0, where ['head', 'norm'] are None")]:
+        placement = place(module, "layers", 2, x)
+        said = unskipped_part(module, placement, ModelCall("", (x,), {}))
+        assert said == found or said.startswith(found), said
+        assert all(not p.is_meta for p in module.parameters())
 
 
 @pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])

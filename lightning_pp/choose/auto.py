@@ -112,7 +112,7 @@ def chosen_options(
     return replace(options, **outcome[0], planned=True)
 
 
-def _measured_on_every_rank(module: nn.Module, batch: Any, layers: str) -> tuple[ModelCosts, str]:
+def _measured_on_every_rank(module: nn.Module, batch: Any, layers: str | None) -> tuple[ModelCosts, str]:
     """The model's costs measured by every rank at once, as ``balance="profile"`` does: each rank's profile then
     shares the memory bandwidth and caches with the others as training will, and their mean is less noisy. A rank
     that could not measure stops every rank with its error, after the one exchange all of them reach."""
@@ -181,7 +181,7 @@ def _plan(
     return choice
 
 
-def _model_costs(module: nn.Module, batch: Any, layers: str) -> tuple[ModelCosts, str]:
+def _model_costs(module: nn.Module, batch: Any, layers: str | None) -> tuple[ModelCosts, str]:
     """The model's costs, and where they come from: its own step measured on a copy of the batch (the sanity
     check's is made under inference mode) on the rank's device, or its FLOPs counted on meta where there are no
     weights to run (a meta build) or the weights are elsewhere and too large to bring (see ``_measured_here``)."""
@@ -206,7 +206,7 @@ def _model_costs(module: nn.Module, batch: Any, layers: str) -> tuple[ModelCosts
     return costs, "the first batch's costs" + ("" if at == device else f" (the module moved to {device} for it)")
 
 
-def _counted(module: nn.Module, batch: Any, layers: str, sizes: list[int], rate: float) -> ModelCosts:
+def _counted(module: nn.Module, batch: Any, layers: str | None, sizes: list[int], rate: float) -> ModelCosts:
     """``counted_costs`` of a module on meta, or of one elsewhere through meta stand-ins of its tensors (nothing runs
     on its weights, which stay as they are)."""
     meta = any(p.is_meta for p in module.parameters())

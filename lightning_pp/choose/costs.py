@@ -25,7 +25,7 @@ from lightning_pp.split.profiling import Segments, count_segments, measure_segme
 from lightning_pp.split.stage import find_layers, patched, resolve_layers
 
 
-def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int]) -> ModelCosts:
+def profile_module(module: L.LightningModule, batch: Any, layers: str | None, sizes: Sequence[int]) -> ModelCosts:
     """Costs of ``module``'s own training step on micro-batches of ``sizes`` samples cut from ``batch``, and of its
     optimizer: one process, the module as it is (on the CPU here); its weights and gradients are left as they were."""
     blocks = find_layers(module, resolve_layers(module, layers))
@@ -39,7 +39,9 @@ def profile_module(module: L.LightningModule, batch: Any, layers: str, sizes: Se
     return ModelCosts(tuple(measured), ratio, seconds)
 
 
-def counted_costs(module: L.LightningModule, batch: Any, layers: str, sizes: Sequence[int], rate: float) -> ModelCosts:
+def counted_costs(
+    module: L.LightningModule, batch: Any, layers: str | None, sizes: Sequence[int], rate: float
+) -> ModelCosts:
     """A module built on meta: the FLOPs of its own step counted on meta at micro-batches of ``sizes`` samples,
     at ``rate`` FLOP/s (a matmul's on the rank's device; memory-bound work is missed); the optimizer costed as
     Adam's state and no time."""
@@ -108,10 +110,10 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
 
 
-def _signature(module: nn.Module, batch: Any, layers: str) -> str:
+def _signature(module: nn.Module, batch: Any, layers: str | None) -> str:
     """The model (its class, parameter names, shapes and dtypes), its layers and the batch's shapes and device
     type (where the costs were measured: a GPU run's are not a CPU run's of the same model)."""
-    parts = [type(module).__qualname__, layers]
+    parts = [type(module).__qualname__, str(layers)]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
     parts += [
         f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)
@@ -119,7 +121,7 @@ def _signature(module: nn.Module, batch: Any, layers: str) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 
-def saved_costs(module: nn.Module, batch: Any, layers: str) -> ModelCosts | None:
+def saved_costs(module: nn.Module, batch: Any, layers: str | None) -> ModelCosts | None:
     """The costs measured for this model and batch shape on this host before (a restarted run's)."""
     path = cache_path("costs", _signature(module, batch, layers))
     try:
@@ -132,5 +134,5 @@ def saved_costs(module: nn.Module, batch: Any, layers: str) -> ModelCosts | None
     return ModelCosts(measured, saved["optimizer_state_ratio"], saved["optimizer_s_per_byte"])
 
 
-def save_costs(costs: ModelCosts, module: nn.Module, batch: Any, layers: str) -> None:
+def save_costs(costs: ModelCosts, module: nn.Module, batch: Any, layers: str | None) -> None:
     write_cache(cache_path("costs", _signature(module, batch, layers)), asdict(costs))

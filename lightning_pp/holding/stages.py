@@ -117,7 +117,7 @@ class Holding:
         del held
         if pending is not None:
             copied = restore_stage(pending, local, optimizers, self.optimizer_layouts)
-            rank_zero_info(f"Rank 0 restored {copied / 2**20:.1f} MiB of its own stages' tensors from the checkpoint.")
+            rank_zero_info(f"Rank 0 restored {copied / 2**20:.3g} MiB of its own stages' tensors from the checkpoint.")
         return local, views, make_stages
 
     def match_pretrained(self, module: nn.Module) -> None:
@@ -162,7 +162,7 @@ class Holding:
                 return
         self.base = read_base(pretrained.path, local, weights)
         read = load_weights(pretrained, weights, local)
-        rank_zero_info(f"Rank 0 read {read / 2**20:.1f} MiB of its own stages' tensors from init_weights.")
+        rank_zero_info(f"Rank 0 read {read / 2**20:.3g} MiB of its own stages' tensors from init_weights.")
 
     def _load_adapter(self, local: nn.Module, pending: PendingRestore | None) -> None:
         """``init_adapter``, after ``init_weights``: this rank's adapter tensors from the adapter directory."""

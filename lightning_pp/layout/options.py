@@ -62,12 +62,12 @@ class PipelineOptions:
     schedule: str = "1f1b"
     n_microbatches: Optional[int] = None
     pipeline_parallel_size: Optional[int] = None
-    layers: str = "layers"
+    layers: Optional[str] = None
     balance: Balance = None
     stages_per_rank: Optional[int] = None
     activation_checkpointing: bool = False
     state_dict_type: StateDictType = "full"
-    split: Split = "prune"
+    split: Optional[Split] = None
     data_parallel: DataParallel = "ddp"
     fsdp_reshard: Reshard = "step"
     tensor_parallel_size: int = 1
@@ -95,7 +95,8 @@ class PipelineOptions:
         _check_choice("state_dict_type", self.state_dict_type, _STATE_DICT_TYPES)
         if isinstance(self.balance, str):
             check_balance_mode(self.balance)
-        _check_choice("split", self.split, _SPLITS)
+        if self.split is not None:
+            _check_choice("split", self.split, _SPLITS)
         _check_choice("data_parallel", self.data_parallel, _DATA_PARALLEL)
         _check_choice("fsdp_reshard", self.fsdp_reshard, _RESHARD)
         for size in ("tensor_parallel_size", "expert_parallel_size"):
@@ -132,6 +133,12 @@ class PipelineOptions:
     def asynchronous(self) -> bool:
         """PipeDream-2BW: no flush between steps."""
         return self.schedule in ASYNC
+
+    @property
+    def traceable(self) -> bool:
+        """``split="trace"`` works with the other arguments (see ``_check_combinations``)."""
+        microbatch_fsdp = self.data_parallel == "fsdp" and self.fsdp_reshard == "microbatch"
+        return self.tensor_parallel_size == 1 and not microbatch_fsdp and not self.asynchronous
 
 
 def microbatches_for(o: PipelineOptions, batch_size: int, pp: int, n_stages: int) -> int:
@@ -239,8 +246,8 @@ def _check_combinations(o: PipelineOptions) -> None:
     if o.split == "trace" and o.tensor_parallel_size > 1:
         raise PipelineConfigError(
             f"split='trace' with tensor_parallel_size={o.tensor_parallel_size}: a tensor-parallel plan is applied"
-            " to the user's modules in configure_model, which the traced pieces do not run. Use split='prune' (the"
-            " default) with tensor parallelism."
+            " to the user's modules in configure_model, which the traced pieces do not run. Use split='prune' with"
+            " tensor parallelism."
         )
     if o.split == "trace" and o.data_parallel == "fsdp" and o.fsdp_reshard == "microbatch":
         raise PipelineConfigError(

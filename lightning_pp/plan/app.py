@@ -57,7 +57,7 @@ def plan_module(
     module: L.LightningModule,
     batch: Any,
     devices: int,
-    layers: str = "layers",
+    layers: str | None = None,
     memory_limit_mib: float | None = None,
     machine: Machine | None = None,
     **choices: Any,

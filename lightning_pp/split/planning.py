@@ -28,6 +28,7 @@ from lightning_pp.split.experts import route_experts
 from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
+from lightning_pp.split.pruned import unskipped_part
 from lightning_pp.split.stage import (
     Placement,
     find_layers,
@@ -67,11 +68,18 @@ def learn_placement(
     first = split_batch(args[0], n_microbatches)[0]
     entries = model_entries(module, layers)
     call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
-    tracer = None
-    if options.split == "trace":
-        placement, tracer = traced_placement(module, layers, n_stages, balance, call, module.training)
-    else:
+    tracer, unskipped = None, None
+    if options.split != "trace":
         placement = _learn_by_pruning(module, layers, n_stages, balance, entries[call.entry], call, device)
+        if options.split is None and options.traceable:
+            unskipped = unskipped_part(module, placement, call)
+        if unskipped is not None:
+            rank_zero_info(
+                f"forward calls the parts other stages hold instead of skipping them ({unskipped}): torch's tracer"
+                " splits the model as it is (split='trace'); pass split= to choose."
+            )
+    if options.split == "trace" or unskipped is not None:
+        placement, tracer = traced_placement(module, layers, n_stages, balance, call, module.training)
     rank_zero_info(placement.describe(module))
     return placement, tracer
 
@@ -116,7 +124,7 @@ def _learn_by_pruning(
     return placement
 
 
-def check_module(module: LightningModule, layers: str, balance: Balance, n_stages: int) -> None:
+def check_module(module: LightningModule, layers: str | None, balance: Balance, n_stages: int) -> None:
     """What the module's structure allows, checked on every rank before any collective."""
     path = resolve_layers(module, layers)
     whole = [n or "the LightningModule" for n, m in module.named_modules() if is_compiled(m)

@@ -16,8 +16,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.memory.materialize import on_meta
 from lightning_pp.split.microbatch import ModelCall
-from lightning_pp.split.stage import Placement, get_path
+from lightning_pp.split.stage import Placement, find_layers, get_path, stage_view
 
 
 class StageModule(nn.Module):
@@ -54,6 +55,47 @@ def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageMod
     last = placement.n_stages - 1
     modules: list[StageModule] = [_PrunedStage(v, s == last, placement.absent_on(s)) for s, v in views.items()]
     return lambda train, call: modules
+
+
+def unskipped_part(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
+    """Where the user's forward calls a part that another stage holds (None on this one) instead of skipping it,
+    found at set-up by running each stage's view once on meta tensors (the stage's first layer's input in place of
+    the leading inputs, as at run time); None when every stage's view runs, or when meta cannot tell (a forward
+    that needs values fails for other reasons, and ``split="prune"`` stays)."""
+    firsts = {placement.layers_of(s)[0]: s for s in range(1, placement.n_stages)}
+    layers = find_layers(module, placement.layers_path)
+    received: dict[int, tuple[torch.Tensor, ...]] = {}
+
+    def keep(stage: int) -> Callable[..., None]:
+        def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
+            first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
+            received.setdefault(stage, () if first is None else (first,))
+
+        return hook
+
+    handles = [layers[key].register_forward_pre_hook(keep(s), with_kwargs=True) for key, s in firsts.items()]
+    try:
+        with on_meta(module) as to_meta, torch.no_grad():
+            args, kwargs = to_meta((call.args, call.kwargs))
+            model = get_path(module, call.entry)
+            type(model).forward(model, *args, **kwargs)
+            for stage in range(placement.n_stages):
+                model = get_path(stage_view(module, placement, [stage]), call.entry)
+                a, kw = args, kwargs
+                if stage > 0:
+                    a, kw = replace_leading_inputs(type(model).forward, model, args, kwargs, received[stage])
+                try:
+                    type(model).forward(model, *a, **kw)
+                except (TypeError, AttributeError) as error:
+                    if "NoneType" in str(error):
+                        return f"on stage {stage}, where {placement.absent_on(stage)} are None: {error}"
+                    raise
+    except Exception:  # noqa: BLE001 (meta cannot tell: the run shows it, as under split="prune")
+        return None
+    finally:
+        for handle in handles:
+            handle.remove()
+    return None
 
 
 class _ContiguousGrad(torch.autograd.Function):

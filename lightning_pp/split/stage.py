@@ -70,16 +70,19 @@ def is_compiled(module: nn.Module) -> bool:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def resolve_layers(module: nn.Module, path: str) -> str:
+def resolve_layers(module: nn.Module, path: str | None) -> str:
     """``path`` as the module's own qualified name of its layer container: a wrapper such as peft's puts steps
     into the names (``model.base_model.model.model.layers`` for ``self.model = get_peft_model(llama, config)``)
     that a user need not spell. Every name built from the path (parts, stages, state-dict keys) must be the
     qualified one, so the path is resolved once and only the result is used.
 
-    The path itself, if it is a qualified name; else the one container whose name has the path's parts in order
-    with only wrapper steps (steps out of a peft model or tuner) left out, or that the path reaches as
-    attributes (peft forwards them); none or several: a PipelineConfigError naming them.
+    ``None``: the container of the repeated layers (``repeated_layers``). Else the path itself, if it is a
+    qualified name; else the one container whose name has the path's parts in order with only wrapper steps
+    (steps out of a peft model or tuner) left out, or that the path reaches as attributes (peft forwards them);
+    none or several: a PipelineConfigError naming them.
     """
+    if path is None:
+        return repeated_layers(module)
     modules = {name: m for name, m in module.named_modules() if m is not None}
     if path in modules:
         return path
@@ -103,9 +106,50 @@ def resolve_layers(module: nn.Module, path: str) -> str:
     return found[0]
 
 
-def resolution_note(module: nn.Module, given: str, resolved: str) -> str:
-    """What ``resolve_layers`` made of a path that was not the qualified name, to be said once."""
+def repeated_layers(module: nn.Module) -> str:
+    """The qualified name of the container of the model's repeated layers, for a module given no ``layers=``: of
+    the containers whose children with parameters (two or more) are all of one type (a transformer's blocks, an
+    MLP's ``nn.Linear``s in an ``nn.Sequential``) and that no such container holds (a block's experts), the one
+    holding the most parameters. Two holding alike (an encoder's and a decoder's blocks: the other's would all
+    sit on one stage) are refused, naming both."""
+    sizes: dict[str, int] = {}
+    for name, m in module.named_modules():
+        typed = {type(c) for c in m.children() if _holds_parameters(c)}
+        many = sum(1 for c in m.children() if _holds_parameters(c)) > 1
+        if isinstance(m, _CONTAINERS) and many and len(typed) == 1:
+            if not any(name.startswith(outer + ".") for outer in sizes):
+                sizes[name] = sum(p.numel() for p in m.parameters())
+    ranked = sorted(sizes, key=sizes.__getitem__, reverse=True)
+    if not ranked:
+        raise PipelineConfigError(
+            f"{type(module).__name__} holds no nn.ModuleList, nn.Sequential or nn.ModuleDict of two or more layers"
+            " of one type to split into stages. Put the repeated layers in one and pass its dotted path as"
+            " PipelineStrategy(layers=...)."
+        )
+    if len(ranked) > 1 and 2 * sizes[ranked[1]] >= sizes[ranked[0]]:
+        alike = " and ".join(f"{n!r} ({sizes[n]:,} parameters)" for n in ranked[:2])
+        raise PipelineConfigError(
+            f"{type(module).__name__} holds two containers of repeated layers of about one size, {alike}; the"
+            " pipeline splits one and keeps the other whole on one stage. Pass the one to split as"
+            " PipelineStrategy(layers=...)."
+        )
+    return ranked[0]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def resolution_note(module: nn.Module, given: str | None, resolved: str) -> str:
+    """What ``resolve_layers`` made of a path that was not the qualified name (or of none), to be said once."""
     modules = dict(module.named_modules())
+    if given is None:
+        layers = list(modules[resolved].children())
+        share = sum(p.numel() for p in modules[resolved].parameters()) / sum(p.numel() for p in module.parameters())
+        return (
+            f"Splitting {resolved!r} into stages: {len(layers)} layers ({type(layers[-1]).__name__}) holding"
+            f" {share:.0%} of the parameters; pass layers= to split another container"
+        )
     steps = resolved.split(".")
     inside = any(_is_wrapper(modules[".".join(steps[:i])]) for i in range(len(steps)))
     return f"layers={given!r} resolved to {resolved!r}" + (" (inside a peft model)" if inside else "")
