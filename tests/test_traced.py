@@ -79,13 +79,19 @@ def test_hf_llama_traced_trains_as_one_process(model, tmp_path, reference):
     # the rotary embedding's @torch.no_grad() forward, traced as detached results (torch's unflattening drops the
     # arguments of a module called in a no-grad region); interleaved 1F1B: 4 stages on 2 ranks. Olmo3 calls its
     # rotary embedding twice (the trace's "rotary_emb@1" holds the model's own buffers; it used to be refused as
-    # tensors made from values)
-    llama = dict(model=model, layers="model.model.layers", optimizer="sgd")
-    cfg = dict(GPT2, **llama, schedule="interleaved_1f1b", devices=2, m=4, batch=8, n_train=32)
-    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
-    ref = reference(**common(cfg))
+    # tensors made from values). Llama built on meta with the strategy's defaults: its layers found, and traced
+    # since its forward needs values on meta (its masks)
+    given = (
+        dict(layers="model.model.layers") if model == "olmo3" else dict(layers=None, split=None, build="init_module")
+    )
+    cfg = dict(GPT2, model=model, optimizer="sgd", **given, schedule="interleaved_1f1b", devices=2, m=4, batch=8)
+    job = ok(run_job({**cfg, "n_train": 32, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    ref = reference(**common({**cfg, "n_train": 32}))
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     assert_state_equal(job.state(), ref["state"], 1e-5)
+    if model == "llama":
+        said = "Splitting 'model.model.layers' into stages: 4 layers (LlamaDecoderLayer)"
+        assert job.output.count(said) == 1 and job.output.count("forward cannot run on meta tensors (") == 1
 
 
 def test_hf_gpt2_traced_under_bf16_mixed_matches_one_process(tmp_path, reference):

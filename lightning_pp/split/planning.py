@@ -68,20 +68,51 @@ def learn_placement(
     first = split_batch(args[0], n_microbatches)[0]
     entries = model_entries(module, layers)
     call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
-    tracer, unskipped = None, None
-    if options.split != "trace":
-        placement = _learn_by_pruning(module, layers, n_stages, balance, entries[call.entry], call, device)
-        if options.split is None and options.traceable:
-            unskipped = unskipped_part(module, placement, call)
-        if unskipped is not None:
-            rank_zero_info(
-                f"forward calls the parts other stages hold instead of skipping them ({unskipped}): torch's tracer"
-                " splits the model as it is (split='trace'); pass split= to choose."
-            )
-    if options.split == "trace" or unskipped is not None:
+    tracer = None
+    if options.split == "trace":
         placement, tracer = traced_placement(module, layers, n_stages, balance, call, module.training)
+    elif options.split == "prune" or not options.traceable:
+        placement = _learn_by_pruning(module, layers, n_stages, balance, entries[call.entry], call, device)
+    else:
+        placement, tracer = _pruned_or_traced(module, layers, n_stages, balance, entries[call.entry], call, device)
     rank_zero_info(placement.describe(module))
     return placement, tracer
+
+
+def _pruned_or_traced(
+    module: LightningModule,
+    layers: str,
+    n_stages: int,
+    balance: Balance,
+    model: nn.Module,
+    call: ModelCall,
+    device: torch.device,
+) -> tuple[Placement, Tracer | None]:
+    """``split=None``: pruned where the user's forward runs each stage's view (it skips the parts other stages
+    hold), else traced, said once. A meta-built module whose forward needs values (Hugging Face's masks) cannot
+    be pruned, whose structure is learned on meta, but is traced."""
+    try:
+        placement = _learn_by_pruning(module, layers, n_stages, balance, model, call, device)
+    except PipelineConfigError as error:
+        if not has_meta_tensors(module):
+            raise
+        why = f"forward cannot run on meta tensors ({error.__cause__})"
+        try:
+            return _traced(module, layers, n_stages, balance, call, why)
+        except PipelineConfigError as also:
+            raise PipelineConfigError(f"{error} (split='trace' failed too: {also})") from also
+    unskipped = unskipped_part(module, placement, call)
+    if unskipped is None:
+        return placement, None
+    why = f"forward calls the parts other stages hold instead of skipping them ({unskipped})"
+    return _traced(module, layers, n_stages, balance, call, why)
+
+
+def _traced(
+    module: LightningModule, layers: str, n_stages: int, balance: Balance, call: ModelCall, why: str
+) -> tuple[Placement, Tracer]:
+    rank_zero_info(f"{why}: torch's tracer splits the model as it is (split='trace'); pass split= to choose.")
+    return traced_placement(module, layers, n_stages, balance, call, module.training)
 
 
 def _learn_by_pruning(

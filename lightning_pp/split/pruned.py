@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.memory.materialize import on_meta
+from lightning_pp.memory.materialize import has_meta_tensors, on_meta
 from lightning_pp.split.microbatch import ModelCall
 from lightning_pp.split.stage import Placement, find_layers, get_path, stage_view
 
@@ -59,9 +59,33 @@ def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageMod
 
 def unskipped_part(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
     """Where the user's forward calls a part that another stage holds (None on this one) instead of skipping it,
-    found at set-up by running each stage's view once on meta tensors (the stage's first layer's input in place of
-    the leading inputs, as at run time); None when every stage's view runs, or when meta cannot tell (a forward
-    that needs values fails for other reasons, and ``split="prune"`` stays)."""
+    found at set-up by running each stage's view once (the stage's first layer's input in place of the leading
+    inputs, as at run time) on meta tensors; a forward that needs values (Hugging Face's masks) runs on the CPU
+    instead where the module is real, in eval mode with the RNG left as it was. None when every stage's view runs,
+    or when neither can tell (``split="prune"`` stays, and the run names the part)."""
+    try:
+        with on_meta(module) as to_meta:
+            return _first_unskipped(module, placement, call, to_meta)
+    except Exception:  # noqa: BLE001 (meta cannot tell)
+        if has_meta_tensors(module):
+            return None
+    modes = {m: m.training for m in module.modules()}
+    try:
+        with torch.random.fork_rng(devices=[]):
+            module.eval()
+            return _first_unskipped(
+                module, placement, call, lambda tree: tree_map_only(torch.Tensor, torch.Tensor.cpu, tree)
+            )
+    except Exception:  # noqa: BLE001 (nor the CPU: the run shows it, as under split="prune")
+        return None
+    finally:
+        for m, training in modes.items():
+            m.training = training
+
+
+def _first_unskipped(
+    module: nn.Module, placement: Placement, call: ModelCall, convert: Callable[[Any], Any]
+) -> str | None:
     firsts = {placement.layers_of(s)[0]: s for s in range(1, placement.n_stages)}
     layers = find_layers(module, placement.layers_path)
     received: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -73,28 +97,27 @@ def unskipped_part(module: nn.Module, placement: Placement, call: ModelCall) -> 
 
         return hook
 
+    args, kwargs = convert((call.args, call.kwargs))
     handles = [layers[key].register_forward_pre_hook(keep(s), with_kwargs=True) for key, s in firsts.items()]
     try:
-        with on_meta(module) as to_meta, torch.no_grad():
-            args, kwargs = to_meta((call.args, call.kwargs))
+        with torch.no_grad():
             model = get_path(module, call.entry)
             type(model).forward(model, *args, **kwargs)
-            for stage in range(placement.n_stages):
-                model = get_path(stage_view(module, placement, [stage]), call.entry)
-                a, kw = args, kwargs
-                if stage > 0:
-                    a, kw = replace_leading_inputs(type(model).forward, model, args, kwargs, received[stage])
-                try:
-                    type(model).forward(model, *a, **kw)
-                except (TypeError, AttributeError) as error:
-                    if "NoneType" in str(error):
-                        return f"on stage {stage}, where {placement.absent_on(stage)} are None: {error}"
-                    raise
-    except Exception:  # noqa: BLE001 (meta cannot tell: the run shows it, as under split="prune")
-        return None
     finally:
         for handle in handles:
             handle.remove()
+    with torch.no_grad():
+        for stage in range(placement.n_stages):
+            model = get_path(stage_view(module, placement, [stage]), call.entry)
+            a, kw = args, kwargs
+            if stage > 0:
+                a, kw = replace_leading_inputs(type(model).forward, model, args, kwargs, received[stage])
+            try:
+                type(model).forward(model, *a, **kw)
+            except (TypeError, AttributeError) as error:
+                if "NoneType" in str(error):
+                    return f"on stage {stage}, where {placement.absent_on(stage)} are None: {error}"
+                raise
     return None
 
 
