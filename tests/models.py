@@ -326,6 +326,27 @@ class SequentialGPT(ListGPT):
         return self.net.head(h) if self.net.head is not None else h
 
 
+class SequentialNet(LossSteps):
+    """The whole network one ``nn.Sequential`` of mixed layers (an embedding, linear layers and activations, a
+    head), written for one process: the step calls the container itself (``self.net(tokens)``)."""
+
+    def __init__(
+        self, vocab: int = 32, dim: int = 32, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        hidden = [m for _ in range(n_layers) for m in (nn.Linear(dim, dim), nn.GELU())]
+        self.net = nn.Sequential(nn.Embedding(vocab, dim), *hidden, nn.Linear(dim, vocab))
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        return F.cross_entropy(self.net(batch["tokens"]).flatten(0, 1), batch["targets"].flatten())
+
+    def configure_optimizers(self):
+        if self.hparams.optimizer == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+
+
 class Body(nn.Module):
     """The network one level down, whose own forward skips the parts other stages hold."""
 

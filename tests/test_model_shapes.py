@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import ok, run_job
 from test_parity import LOSS_TOL, assert_exact_parameters, assert_same_logs, common
+from test_tied import assert_state_equal
 
 SHAPES = {
     # the user's loop `for block in self.net.blocks` runs only the stage's blocks, under their global names
@@ -26,9 +27,33 @@ SHAPES = {
     # a V schedule: rank 0 holds stages 0 and 3, each a view of its one pruned ModuleList
     "modulelist-zbv-4": dict(model="list", schedule="zbv", devices=2, m=4),
     "sequential-interleaved-4": dict(model="sequential", schedule="interleaved_1f1b", devices=2, m=4),
+    # a network that is one nn.Sequential of mixed layers, called by the step itself, given no layers= or split=
+    "sequential-net-defaults-3": dict(
+        model="sequential_net",
+        layers=None,
+        split=None,
+        schedule="1f1b",
+        devices=3,
+        m=3,
+        batch=6,
+        n_train=36,
+        n_val=30,
+        optimizer="sgd",
+        lr=0.5,
+    ),  # fmt: skip
     # self(x) -> self.body(x) -> the ModuleList three levels down, on 3 stages
     "delegating-3-1f1b": dict(
-        model="delegating", layers="body.net.blocks", schedule="1f1b", devices=3, m=3, batch=6, n_train=36, n_val=30
+        model="delegating",
+        layers="body.net.blocks",
+        schedule="1f1b",
+        devices=3,
+        m=3,
+        batch=6,
+        n_train=36,
+        n_val=30,
+        optimizer="sgd",
+        lr=0.5,
+        params=True,
     ),  # fmt: skip
 }
 
@@ -44,6 +69,10 @@ def test_module_shape_trains_as_one_process(name, tmp_path, reference):
     assert job.state().keys() == ref["state"].keys()  # every layer under its one-process name
     if cfg.get("params"):
         assert_exact_parameters(job, cfg, reference)
+    if "split" in cfg:  # found: all 10 layers of 'net', each stage's part of it run by the Sequential's forward
+        assert "Splitting 'net' into stages: 10 layers (Linear)" in job.output and "forward calls" not in job.output
+        micro = reference(**{**common(cfg), "batch": cfg["batch"] // cfg["m"], "accumulate": cfg["m"]})
+        assert_state_equal(job.state(), micro["state"], 1e-6)
 
 
 def test_batchnorm_statistics_follow_the_microbatches(tmp_path, reference):

@@ -190,6 +190,8 @@ def test_the_layers_are_found_when_not_named():
     mlp = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
     assert resolve_layers(nn.ModuleDict({"net": mlp, "loss": nn.CrossEntropyLoss()}), None) == "net"
     assert resolve_layers(GPT(n_layers=2), None) == "layers"
+    cnn = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4, 2))
+    assert resolve_layers(nn.ModuleDict({"features": cnn}), None) == "features"  # of mixed layers, with none alike
     with pytest.raises(PipelineConfigError, match=r"two containers.*'encoder' \(3,408 parameters\) and 'decoder' \("):
         resolve_layers(_Unnamed(decoder=2), None)
     with pytest.raises(PipelineConfigError, match=r"Linear holds no nn.ModuleList.*PipelineStrategy\(layers=...\)"):

@@ -110,30 +110,38 @@ def repeated_layers(module: nn.Module) -> str:
     """The qualified name of the container of the model's repeated layers, for a module given no ``layers=``: of
     the containers whose children with parameters (two or more) are all of one type (a transformer's blocks, an
     MLP's ``nn.Linear``s in an ``nn.Sequential``) and that no such container holds (a block's experts), the one
-    holding the most parameters. Two holding alike (an encoder's and a decoder's blocks: the other's would all
-    sit on one stage) are refused, naming both."""
+    holding the most parameters; with none, the same of the containers of mixed children (a CNN's
+    ``nn.Sequential`` of convolutions, norms and a head). Two holding alike (an encoder's and a decoder's blocks:
+    the other's would all sit on one stage) are refused, naming both."""
+    for uniform in (True, False):
+        sizes = _outermost_containers(module, uniform)
+        ranked = sorted(sizes, key=sizes.__getitem__, reverse=True)
+        if len(ranked) > 1 and 2 * sizes[ranked[1]] >= sizes[ranked[0]]:
+            alike = " and ".join(f"{n!r} ({sizes[n]:,} parameters)" for n in ranked[:2])
+            raise PipelineConfigError(
+                f"{type(module).__name__} holds two containers of layers of about one size, {alike}; the pipeline"
+                " splits one and keeps the other whole on one stage. Pass the one to split as"
+                " PipelineStrategy(layers=...)."
+            )
+        if ranked:
+            return ranked[0]
+    raise PipelineConfigError(
+        f"{type(module).__name__} holds no nn.ModuleList, nn.Sequential or nn.ModuleDict of two or more layers with"
+        " parameters to split into stages. Put the layers in one and pass its dotted path as"
+        " PipelineStrategy(layers=...)."
+    )
+
+
+def _outermost_containers(module: nn.Module, uniform: bool) -> dict[str, int]:
+    """Parameters held by each container of two or more children with parameters (all of one type where
+    ``uniform``) that no other such container holds."""
     sizes: dict[str, int] = {}
     for name, m in module.named_modules():
-        typed = {type(c) for c in m.children() if _holds_parameters(c)}
-        many = sum(1 for c in m.children() if _holds_parameters(c)) > 1
-        if isinstance(m, _CONTAINERS) and many and len(typed) == 1:
+        typed = [type(c) for c in m.children() if _holds_parameters(c)]
+        if isinstance(m, _CONTAINERS) and len(typed) > 1 and (len(set(typed)) == 1 or not uniform):
             if not any(name.startswith(outer + ".") for outer in sizes):
                 sizes[name] = sum(p.numel() for p in m.parameters())
-    ranked = sorted(sizes, key=sizes.__getitem__, reverse=True)
-    if not ranked:
-        raise PipelineConfigError(
-            f"{type(module).__name__} holds no nn.ModuleList, nn.Sequential or nn.ModuleDict of two or more layers"
-            " of one type to split into stages. Put the repeated layers in one and pass its dotted path as"
-            " PipelineStrategy(layers=...)."
-        )
-    if len(ranked) > 1 and 2 * sizes[ranked[1]] >= sizes[ranked[0]]:
-        alike = " and ".join(f"{n!r} ({sizes[n]:,} parameters)" for n in ranked[:2])
-        raise PipelineConfigError(
-            f"{type(module).__name__} holds two containers of repeated layers of about one size, {alike}; the"
-            " pipeline splits one and keeps the other whole on one stage. Pass the one to split as"
-            " PipelineStrategy(layers=...)."
-        )
-    return ranked[0]
+    return sizes
 
 
 def _holds_parameters(module: nn.Module) -> bool:
@@ -265,12 +273,15 @@ def _containers(module: nn.Module, path: str) -> list[tuple[str, nn.Module]]:
 
 
 def model_entries(module: nn.Module, path: str) -> dict[str, nn.Module]:
-    """The modules a step may call as "the model": the root and each container on the way to the layers.
+    """The modules a step may call as "the model": the root, each container on the way to the layers, and the
+    layers' own container.
 
     A LightningModule often wraps the network (``self.model = GPT()``) and its step calls either
-    ``self(x)`` or ``self.model(x)``; both run the layers.
+    ``self(x)`` or ``self.model(x)``; both run the layers. A network that is one ``nn.Sequential``
+    (``self.net(x)``) is its own layers: a stage runs its pruned part.
     """
-    return {prefix.rstrip("."): container for prefix, container in _containers(module, path)}
+    entries = {prefix.rstrip("."): container for prefix, container in _containers(module, path)}
+    return {**entries, path: get_path(module, path)}
 
 
 def parts_and_params(module: nn.Module, path: str) -> tuple[dict[str, nn.Module], dict[str, nn.Parameter]]:
