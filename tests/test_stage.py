@@ -14,7 +14,7 @@ from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
 from lightning_pp.memory.recompute import checkpoint_layers  # noqa: E402
 from lightning_pp.split.microbatch import ModelCall  # noqa: E402
-from lightning_pp.split.pruned import unskipped_part  # noqa: E402
+from lightning_pp.split.pruned import unprunable  # noqa: E402
 from lightning_pp.split.stage import (  # noqa: E402
     Tie,
     find_layers,
@@ -206,12 +206,27 @@ class _CallsEveryPart(HeadFirst):
         return self.head(self.norm(h))
 
 
-def test_a_forward_that_calls_parts_other_stages_hold_is_found_on_meta():
+class _IndexesLayers(HeadFirst):
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for i in range(len(self.layers)):
+            h = self.layers[str(i)](h) if isinstance(self.layers, nn.ModuleDict) else self.layers[i](h)
+        return self.head(h) if self.head is not None else h
+
+
+def test_a_forward_that_cannot_run_a_pruned_stage_is_found_on_meta():
     # split=None traces such a forward; one that skips None parts keeps split="prune"
     x = torch.zeros(2, 3, dtype=torch.long)
-    for module, found in [(HeadFirst(), None), (_CallsEveryPart(), "on stage 0, where ['head', 'norm'] are None")]:
+    listed = _IndexesLayers()
+    listed.layers = nn.ModuleList(listed.layers.values())
+    cases = [
+        (HeadFirst(), None),
+        (_CallsEveryPart(), "forward calls the parts other stages hold instead of skipping them (on stage 0, where"),
+        (listed, "forward indexes the layers by position (on stage 1: Layer 0 is not on this pipeline stage"),
+    ]
+    for module, found in cases:
         placement = place(module, "layers", 2, x)
-        said = unskipped_part(module, placement, ModelCall("", (x,), {}))
+        said = unprunable(module, placement, ModelCall("", (x,), {}))
         assert said == found or said.startswith(found), said
         assert all(not p.is_meta for p in module.parameters())
 

@@ -28,7 +28,7 @@ from lightning_pp.split.experts import route_experts
 from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
-from lightning_pp.split.pruned import unskipped_part
+from lightning_pp.split.pruned import unprunable
 from lightning_pp.split.stage import (
     Placement,
     find_layers,
@@ -101,10 +101,9 @@ def _pruned_or_traced(
             return _traced(module, layers, n_stages, balance, call, why)
         except PipelineConfigError as also:
             raise PipelineConfigError(f"{error} (split='trace' failed too: {also})") from also
-    unskipped = unskipped_part(module, placement, call)
-    if unskipped is None:
+    why = unprunable(module, placement, call)
+    if why is None:
         return placement, None
-    why = f"forward calls the parts other stages hold instead of skipping them ({unskipped})"
     return _traced(module, layers, n_stages, balance, call, why)
 
 

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.memory.materialize import has_meta_tensors, on_meta
 from lightning_pp.split.microbatch import ModelCall
-from lightning_pp.split.stage import Placement, find_layers, get_path, stage_view
+from lightning_pp.split.stage import LayerNotHere, Placement, find_layers, get_path, stage_view
 
 
 class StageModule(nn.Module):
@@ -57,15 +57,16 @@ def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageMod
     return lambda train, call: modules
 
 
-def unskipped_part(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
-    """Where the user's forward calls a part that another stage holds (None on this one) instead of skipping it,
-    found at set-up by running each stage's view once (the stage's first layer's input in place of the leading
-    inputs, as at run time) on meta tensors; a forward that needs values (Hugging Face's masks) runs on the CPU
-    instead where the module is real, in eval mode with the RNG left as it was. None when every stage's view runs,
-    or when neither can tell (``split="prune"`` stays, and the run names the part)."""
+def unprunable(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
+    """Why the user's forward cannot run a stage pruned from the module: it calls a part that another stage holds
+    (None on this one) instead of skipping it, or indexes the layers by position. Found at set-up by running each
+    stage's view once (the stage's first layer's input in place of the leading inputs, as at run time) on meta
+    tensors; a forward that needs values (Hugging Face's masks) runs on the CPU instead where the module is real,
+    in eval mode with the RNG left as it was. None when every stage's view runs, or when neither can tell
+    (``split="prune"`` stays, and the run names the part)."""
     try:
         with on_meta(module) as to_meta:
-            return _first_unskipped(module, placement, call, to_meta)
+            return _first_failure(module, placement, call, to_meta)
     except Exception:  # noqa: BLE001 (meta cannot tell)
         if has_meta_tensors(module):
             return None
@@ -73,7 +74,7 @@ def unskipped_part(module: nn.Module, placement: Placement, call: ModelCall) -> 
     try:
         with torch.random.fork_rng(devices=[]):
             module.eval()
-            return _first_unskipped(
+            return _first_failure(
                 module, placement, call, lambda tree: tree_map_only(torch.Tensor, torch.Tensor.cpu, tree)
             )
     except Exception:  # noqa: BLE001 (nor the CPU: the run shows it, as under split="prune")
@@ -83,7 +84,7 @@ def unskipped_part(module: nn.Module, placement: Placement, call: ModelCall) -> 
             m.training = training
 
 
-def _first_unskipped(
+def _first_failure(
     module: nn.Module, placement: Placement, call: ModelCall, convert: Callable[[Any], Any]
 ) -> str | None:
     firsts = {placement.layers_of(s)[0]: s for s in range(1, placement.n_stages)}
@@ -115,9 +116,14 @@ def _first_unskipped(
             try:
                 type(model).forward(model, *a, **kw)
             except (TypeError, AttributeError) as error:
-                if "NoneType" in str(error):
-                    return f"on stage {stage}, where {placement.absent_on(stage)} are None: {error}"
-                raise
+                if "NoneType" not in str(error):
+                    raise
+                return (
+                    "forward calls the parts other stages hold instead of skipping them (on stage"
+                    f" {stage}, where {placement.absent_on(stage)} are None: {error})"
+                )
+            except LayerNotHere as error:
+                return f"forward indexes the layers by position (on stage {stage}: {error})"
     return None
 
 

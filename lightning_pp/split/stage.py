@@ -445,6 +445,10 @@ def prune_to_stages(module: nn.Module, placement: Placement, stages: Sequence[in
         setattr(get_path(module, parent) if parent else module, attr, None)
 
 
+class LayerNotHere(IndexError):
+    """A pruned container indexed by a layer's global position on a stage that does not hold that layer."""
+
+
 class _GlobalIndex:
     """A pruned ModuleList or Sequential: an integer index names a layer's global key. By position it would
     silently pick another layer of this stage (or fail with a misleading message)."""
@@ -456,7 +460,7 @@ class _GlobalIndex:
             return super().__getitem__(index)  # type: ignore[misc]
         if str(index) in self._modules:
             return self._modules[str(index)]
-        raise IndexError(
+        raise LayerNotHere(
             f"Layer {index} is not on this pipeline stage, which holds layers {list(self._modules)} of this"
             f" {type(self).__name__}. Under the pipeline iterate over the layers (`for block in self.h`) instead of"
             " indexing them by position."

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -209,5 +210,8 @@ def lightning_logs_in_job_file() -> Iterator[None]:
 
 @hydra.main(version_base="1.3", config_path="pkg://lightning_pp.conf", config_name="config")
 def main(cfg: DictConfig) -> None:
+    # Lightning's own data loops, under torch 2.13, warn of torch's deprecated LeafSpec at every loop's start
+    # (with any strategy): nothing the app's user can act on
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     with job_scope(), lightning_logs_in_job_file():
         run(cfg)
