@@ -83,9 +83,9 @@ class PipelineStrategy(ParallelStrategy):
     or read from pretrained weights (``init_weights``), and reads only its own tensors of either and when
     resuming. An eagerly built module is pruned to the rank's stage before it is moved to the device.
 
-    ``split="trace"`` serves forwards that use every part (Hugging Face, nanoGPT): torch's tracer splits the
-    model at the same layer boundaries. A Parameter several stages use (a tied embedding and head) lives on
-    each of them, its gradients summed over them after every backward.
+    ``split="trace"`` serves forwards that use every part (Hugging Face, nanoGPT): torch's tracer splits the model
+    at the same layer boundaries; left out, it is taken for such a forward, and ``layers`` for the container of
+    repeated layers. A Parameter several stages use (a tied embedding) lives on each, its gradients summed.
 
     Replicas of the pipeline hold whole stages (``data_parallel="ddp"``) or shard each stage's parameters,
     gradients and optimizer state with FSDP2 (``"fsdp"``). With ``tensor_parallel_size`` the module's
