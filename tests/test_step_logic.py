@@ -27,6 +27,7 @@ from lightning_pp.split.microbatch import (
     signature,
     split_batch,
 )
+from lightning_pp.split.planning import batch_statistics_note
 
 
 def test_split_dict_batch_replicates_non_tensor_leaves():
@@ -56,6 +57,14 @@ def test_predictions_joined_over_micro_batches_are_what_one_call_on_the_batch_re
     assert merged["y"].tolist() == (batch["x"] * 2).tolist()
     # what differs per micro-batch and is not one item per sample stays one entry per micro-batch
     assert merge_microbatches([(torch.zeros(2), i) for i in range(4)], 2)[1] == [0, 1, 2, 3]
+
+
+def test_batch_norm_layers_are_told_of_the_samples_they_normalise():
+    net = nn.Sequential(nn.Conv2d(1, 2, 3), nn.BatchNorm2d(2), nn.Sequential(nn.BatchNorm1d(2)))
+    said = batch_statistics_note(net, 8, 1)
+    assert said.startswith("2 BatchNorm layer(s) (1, 2.0) normalise each micro-batch by its own statistics (this")
+    assert "8 of 1 sample(s)" in said
+    assert batch_statistics_note(net, 1, 8) is None and batch_statistics_note(nn.Linear(2, 2), 8, 1) is None
 
 
 def test_split_rejects_leaves_of_another_length_naming_them():

@@ -25,7 +25,7 @@ from lightning_pp.layout.options import Balance, PipelineOptions
 from lightning_pp.layout.schedule import check_microbatches
 from lightning_pp.memory.materialize import has_meta_tensors, on_meta
 from lightning_pp.split.experts import route_experts
-from lightning_pp.split.microbatch import ModelCall, capture_model_call, split_batch
+from lightning_pp.split.microbatch import ModelCall, batch_size_of, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
 from lightning_pp.split.pruned import unprunable
@@ -66,6 +66,9 @@ def learn_placement(
     if layers != options.layers:
         rank_zero_info(resolution_note(module, options.layers, layers))
     first = split_batch(args[0], n_microbatches)[0]
+    norms = batch_statistics_note(module, n_microbatches, batch_size_of(first))
+    if norms is not None:
+        rank_zero_info(norms)
     entries = model_entries(module, layers)
     call = capture_model_call(module, entries, getattr(module, hook), (first, *args[1:]), kwargs, hook)
     tracer = None
@@ -77,6 +80,21 @@ def learn_placement(
         placement, tracer = _pruned_or_traced(module, layers, n_stages, balance, entries[call.entry], call, device)
     rank_zero_info(placement.describe(module))
     return placement, tracer
+
+
+def batch_statistics_note(module: nn.Module, n_microbatches: int, rows: int) -> str | None:
+    """What a module whose BatchNorm layers normalise by the samples they see trains as under the pipeline (each
+    micro-batch by its own statistics, as one process accumulating them, which DESIGN.md's exactness excludes), to
+    be said once: a default count of micro-batches can leave them one sample each."""
+    norms = [name for name, m in module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if not norms or n_microbatches == 1:
+        return None
+    return (
+        f"{len(norms)} BatchNorm layer(s) ({', '.join(norms[:3])}{', ...' if len(norms) > 3 else ''}) normalise"
+        f" each micro-batch by its own statistics (this batch: {n_microbatches} of {rows} sample(s)), as one"
+        " process accumulating them would, not as one process on the whole batch; fewer n_microbatches or a larger"
+        " batch give them more samples each."
+    )
 
 
 def _pruned_or_traced(
