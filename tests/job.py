@@ -32,6 +32,7 @@ from models import (  # noqa: E402
     MOE,
     BatchNormGPT,
     BlockCompiledGPT,
+    CountingGPT,
     DelegatingGPT,
     FrozenGPT,
     FrozenTensorParallelGPT,
@@ -73,6 +74,7 @@ KEYS = {"renamed": renamed_key}  # init_weights_keys by name
 MODELS = {
     "tiny": TinyGPT,
     "noskip": NoSkipGPT,
+    "counting": CountingGPT,
     "twice": TwiceGPT,
     "last_rank_fails": LastRankFailsGPT,
     "wrapped": WrappedGPT,

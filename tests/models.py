@@ -211,6 +211,20 @@ class NoSkipGPT(TinyGPT):
         return self.net.head(h) if self.net.head is not None else h
 
 
+class CountingGPT(TinyGPT):
+    """Scales each block's output by its position in the loop: a stage pruned to its blocks counts them from 0."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = tokens
+        if self.net.embed is not None:
+            h = self.net.embed(tokens) + self.net.pos[: tokens.shape[1]]
+        for i, block in enumerate(self.net.blocks.values()):
+            h = block(h) * (1.0 - 0.1 * i)
+        if self.final_norm is not None:
+            h = self.final_norm(h)
+        return self.net.head(h) if self.net.head is not None else h
+
+
 class TwiceGPT(TinyGPT):
     """Calls the model twice in one step, which a pipeline cannot run."""
 

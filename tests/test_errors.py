@@ -158,6 +158,16 @@ def test_forward_that_does_not_skip_none_stops_every_rank_with_the_message(tmp_p
     assert_all_ranks_gone(job.out, 2)
 
 
+def test_a_forward_that_pruned_stages_run_to_another_result_is_refused_on_every_rank(tmp_path):
+    # enumerate(self.net.blocks) counts a stage's blocks from 0: pruned, it would train silently otherwise
+    job = run_job(
+        dict(strategy="pipeline", devices=2, m=2, model="counting", split="prune", timeout=30), tmp_path / "j"
+    )
+    assert job.returncode != 0
+    said = "forward's result run stage by stage differs from its result whole (by up to"
+    assert job.output.count(said) >= 2 and "pass split='trace'" in job.output, job.output[-3000:]
+
+
 def test_a_step_that_calls_the_model_twice_is_refused_on_every_rank(tmp_path):
     job = run_job(
         dict(strategy="pipeline", devices=2, m=2, model="twice", sanity=0, timeout=30), tmp_path / "job", launcher=True

@@ -214,8 +214,18 @@ class _IndexesLayers(HeadFirst):
         return self.head(h) if self.head is not None else h
 
 
-def test_a_forward_that_cannot_run_a_pruned_stage_is_found_on_meta():
-    # split=None traces such a forward; one that skips None parts keeps split="prune"
+class _CountsLayers(HeadFirst):
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for i, layer in enumerate(self.layers.values()):  # the stage's layers, counted from 0 on every stage
+            h = layer(h) * (1.0 + 0.1 * i)
+        return self.head(h) if self.head is not None else h
+
+
+@pytest.mark.parametrize("where", ["real", "meta"])
+def test_a_forward_that_cannot_run_a_pruned_stage_is_found(where):
+    # split=None traces such a forward; one that skips None parts keeps split="prune"; a forward that computes
+    # another result stage by stage (found for real only) is refused under split="prune"
     x = torch.zeros(2, 3, dtype=torch.long)
     listed = _IndexesLayers()
     listed.layers = nn.ModuleList(listed.layers.values())
@@ -223,12 +233,19 @@ def test_a_forward_that_cannot_run_a_pruned_stage_is_found_on_meta():
         (HeadFirst(), None),
         (_CallsEveryPart(), "forward calls the parts other stages hold instead of skipping them (on stage 0, where"),
         (listed, "forward indexes the layers by position (on stage 1: Layer 0 is not on this pipeline stage"),
+        (
+            _CountsLayers(),
+            "forward's result run stage by stage differs from its result whole (by up to" if where == "real" else None,
+        ),
     ]
     for module, found in cases:
         placement = place(module, "layers", 2, x)
-        said = unprunable(module, placement, ModelCall("", (x,), {}))
+        if where == "meta":
+            module.to("meta")
+        said = unprunable(module, placement, ModelCall("", (x.to(where if where == "meta" else "cpu"),), {}))
         assert said == found or said.startswith(found), said
-        assert all(not p.is_meta for p in module.parameters())
+        assert all(p.is_meta == (where == "meta") for p in module.parameters())
+        assert module.training
 
 
 @pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])

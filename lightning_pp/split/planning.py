@@ -28,7 +28,7 @@ from lightning_pp.split.experts import route_experts
 from lightning_pp.split.microbatch import ModelCall, batch_size_of, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
-from lightning_pp.split.pruned import unprunable
+from lightning_pp.split.pruned import DIFFERS, unprunable
 from lightning_pp.split.stage import (
     Placement,
     find_layers,
@@ -76,6 +76,7 @@ def learn_placement(
         placement, tracer = traced_placement(module, layers, n_stages, balance, call, module.training)
     elif options.split == "prune" or not options.traceable:
         placement = _learn_by_pruning(module, layers, n_stages, balance, entries[call.entry], call, device)
+        _refuse_other_results(unprunable(module, placement, call), options.traceable)
     else:
         placement, tracer = _pruned_or_traced(module, layers, n_stages, balance, entries[call.entry], call, device)
     rank_zero_info(placement.describe(module))
@@ -123,6 +124,17 @@ def _pruned_or_traced(
     if why is None:
         return placement, None
     return _traced(module, layers, n_stages, balance, call, why)
+
+
+def _refuse_other_results(why: str | None, traceable: bool) -> None:
+    """A forward that pruned stages run to another result would train silently otherwise than one process. The
+    other reasons the check finds fail at the first step, naming the part."""
+    if why is not None and why.startswith(DIFFERS):
+        trace = "pass split='trace' (torch's tracer splits the model as it is), or " if traceable else ""
+        raise PipelineConfigError(
+            f"{why}. Each pruned stage runs forward over its own layers only, so training would differ from one"
+            f" process: {trace}keep per-layer settings on the layers (an attribute of each, not its position)."
+        )
 
 
 def _traced(

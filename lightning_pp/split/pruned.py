@@ -7,6 +7,7 @@ micro-batch's sample indices, and the previous stage's activations take the plac
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -18,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map_only
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.memory.materialize import has_meta_tensors, on_meta
 from lightning_pp.split.microbatch import ModelCall
-from lightning_pp.split.stage import LayerNotHere, Placement, find_layers, get_path, stage_view
+from lightning_pp.split.stage import LayerNotHere, Placement, get_path, stage_view
 
 
 class StageModule(nn.Module):
@@ -57,64 +58,63 @@ def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageMod
     return lambda train, call: modules
 
 
+_RUN_FOR_REAL_BYTES = 2**30  # an eager module up to this size is run for real first: its values are compared too
+DIFFERS = "forward's result run stage by stage differs from its result whole"
+
+
 def unprunable(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
-    """Why the user's forward cannot run a stage pruned from the module: it calls a part that another stage holds
-    (None on this one) instead of skipping it, or indexes the layers by position. Found at set-up by running each
-    stage's view once (the stage's first layer's input in place of the leading inputs, as at run time) on meta
-    tensors; a forward that needs values (Hugging Face's masks) runs on the CPU instead where the module is real,
-    in eval mode with the RNG left as it was. None when every stage's view runs, or when neither can tell
-    (``split="prune"`` stays, and the run names the part)."""
-    try:
-        with on_meta(module) as to_meta:
-            return _first_failure(module, placement, call, to_meta)
-    except Exception:  # noqa: BLE001 (meta cannot tell)
-        if has_meta_tensors(module):
-            return None
+    """Why the user's forward cannot run the module pruned to its stages: it calls a part that another stage holds
+    (None on this one) instead of skipping it, indexes the layers by position, hands the next stage something other
+    than tensors, or computes another result stage by stage than whole (``enumerate(self.layers)`` or
+    ``len(self.layers)`` in forward count a stage's layers only: silently other training). Found at set-up by
+    running the stages' views one after another on what each hands the next, as at run time, and comparing with
+    the whole forward: for real on the CPU for an eager module (in eval mode, the RNG left as it was; first up to
+    1 GiB, else only where meta cannot run its forward, as Hugging Face's masks), else on meta tensors (shapes
+    only). None when the stages compose to the forward, or when nothing can tell."""
+    eager = not has_meta_tensors(module)
+    small = eager and sum(t.nbytes for t in (*module.parameters(), *module.buffers())) <= _RUN_FOR_REAL_BYTES
+    attempts = [_for_real, _on_meta] if small else [_on_meta, _for_real] if eager else [_on_meta]
+    for attempt in attempts:
+        try:
+            return attempt(module, placement, call)
+        except Exception:  # noqa: BLE001 (this way cannot tell: the next, or the run shows it)
+            continue
+    return None
+
+
+def _on_meta(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
+    with on_meta(module) as to_meta:
+        return _first_failure(module, placement, call, to_meta, values=False)
+
+
+def _for_real(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
     modes = {m: m.training for m in module.modules()}
     try:
         with torch.random.fork_rng(devices=[]):
             module.eval()
-            return _first_failure(
-                module, placement, call, lambda tree: tree_map_only(torch.Tensor, torch.Tensor.cpu, tree)
-            )
-    except Exception:  # noqa: BLE001 (nor the CPU: the run shows it, as under split="prune")
-        return None
+            cpu = functools.partial(tree_map_only, torch.Tensor, torch.Tensor.cpu)
+            return _first_failure(module, placement, call, cpu, values=True)
     finally:
         for m, training in modes.items():
             m.training = training
 
 
 def _first_failure(
-    module: nn.Module, placement: Placement, call: ModelCall, convert: Callable[[Any], Any]
+    module: nn.Module, placement: Placement, call: ModelCall, convert: Callable[[Any], Any], values: bool
 ) -> str | None:
-    firsts = {placement.layers_of(s)[0]: s for s in range(1, placement.n_stages)}
-    layers = find_layers(module, placement.layers_path)
-    received: dict[int, tuple[torch.Tensor, ...]] = {}
-
-    def keep(stage: int) -> Callable[..., None]:
-        def hook(_: nn.Module, args: tuple, kwargs: dict) -> None:
-            first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
-            received.setdefault(stage, () if first is None else (first,))
-
-        return hook
-
     args, kwargs = convert((call.args, call.kwargs))
-    handles = [layers[key].register_forward_pre_hook(keep(s), with_kwargs=True) for key, s in firsts.items()]
-    try:
-        with torch.no_grad():
-            model = get_path(module, call.entry)
-            type(model).forward(model, *args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
+    last = placement.n_stages - 1
     with torch.no_grad():
+        model = get_path(module, call.entry)
+        whole = type(model).forward(model, *args, **kwargs)
+        received: tuple = ()
         for stage in range(placement.n_stages):
             model = get_path(stage_view(module, placement, [stage]), call.entry)
             a, kw = args, kwargs
             if stage > 0:
-                a, kw = replace_leading_inputs(type(model).forward, model, args, kwargs, received[stage])
+                a, kw = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
             try:
-                type(model).forward(model, *a, **kw)
+                out = type(model).forward(model, *a, **kw)
             except (TypeError, AttributeError) as error:
                 if "NoneType" not in str(error):
                     raise
@@ -124,6 +124,28 @@ def _first_failure(
                 )
             except LayerNotHere as error:
                 return f"forward indexes the layers by position (on stage {stage}: {error})"
+            received = out if isinstance(out, tuple) else (out,)
+            if stage < last and not all(isinstance(t, torch.Tensor) for t in received):
+                return f"forward returns {type(out).__name__} on stage {stage}, where a pruned stage hands on tensors"
+    difference = _difference(whole, out, values)
+    if difference is not None:
+        return (
+            f"{DIFFERS} ({difference}; a forward that depends on the layers' positions or count, such as"
+            " enumerate(self.layers) or len(self.layers), does)"
+        )
+    return None
+
+
+def _difference(whole: Any, staged: Any, values: bool) -> str | None:
+    ours = [t for t in tree_flatten(whole)[0] if isinstance(t, torch.Tensor)]
+    theirs = [t for t in tree_flatten(staged)[0] if isinstance(t, torch.Tensor)]
+    if [t.shape for t in ours] != [t.shape for t in theirs]:
+        return f"shapes {[tuple(t.shape) for t in ours]} whole, {[tuple(t.shape) for t in theirs]} by stages"
+    for a, b in zip(ours, theirs):
+        if values and a.is_floating_point() and a.numel():
+            gap = (a.double() - b.double()).abs().max().item()
+            if not gap <= 1e-4 * max(1.0, a.double().abs().max().item()):
+                return f"by up to {gap:.3g}"
     return None
 
 
