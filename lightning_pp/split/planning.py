@@ -107,9 +107,9 @@ def _pruned_or_traced(
     call: ModelCall,
     device: torch.device,
 ) -> tuple[Placement, Tracer | None]:
-    """``split=None``: pruned where the user's forward runs each stage's view (it skips the parts other stages
-    hold), else traced, said once. A meta-built module whose forward needs values (Hugging Face's masks) cannot
-    be pruned, whose structure is learned on meta, but is traced."""
+    """``split=None``: pruned where the module's stages compose to its forward (``unprunable``), else traced, said
+    once. A meta-built module whose forward needs values (Hugging Face's masks) cannot be pruned, whose structure
+    is learned on meta, but is traced."""
     try:
         placement = _learn_by_pruning(module, layers, n_stages, balance, model, call, device)
     except PipelineConfigError as error:
