@@ -110,17 +110,12 @@ def _first_failure(
         received: tuple = ()
         for stage in range(placement.n_stages):
             model = get_path(stage_view(module, placement, [stage]), call.entry)
-            a, kw = args, kwargs
-            if stage > 0:
-                a, kw = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
             try:
-                out = type(model).forward(model, *a, **kw)
-            except (TypeError, AttributeError) as error:
-                if "NoneType" not in str(error):
-                    raise
+                out = _stage_forward(model, args, kwargs, received)
+            except _CalledNone as error:
                 return (
                     "forward calls the parts other stages hold instead of skipping them (on stage"
-                    f" {stage}, where {placement.absent_on(stage)} are None: {error})"
+                    f" {stage}, where {placement.absent_on(stage)} are None: {error.__cause__})"
                 )
             except LayerNotHere as error:
                 return f"forward indexes the layers by position (on stage {stage}: {error})"
@@ -175,13 +170,10 @@ class _PrunedStage(StageModule):
         index, (entry, args, kwargs) = self.call_of(mb)
         model = get_path(self.module, entry)
         received = tuple(_ContiguousGrad.apply(t) if t.requires_grad else t for t in received)
-        if received:
-            args, kwargs = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
         try:
-            out = type(model).forward(model, *args, **kwargs)
-        except (TypeError, AttributeError) as error:
-            if "NoneType" not in str(error):
-                raise
+            out = _stage_forward(model, args, kwargs, received)
+        except _CalledNone as called:
+            error = called.__cause__
             raise PipelineConfigError(
                 f"forward failed on this pipeline stage ({error}). Here {self.absent} are None because other stages"
                 " hold them; forward must skip parts that are None, e.g."
@@ -198,6 +190,23 @@ class _PrunedStage(StageModule):
             f"forward returned {type(out).__name__} on a stage that is not the last; a stage must hand the next"
             " one a tensor (or a tuple of tensors): return the hidden state when the later parts are None."
         )
+
+
+class _CalledNone(Exception):
+    """The user's forward called a part that is None on this stage (the error it raised is the cause)."""
+
+
+def _stage_forward(model: nn.Module, args: tuple, kwargs: dict, received: tuple) -> Any:
+    """The user's forward on a stage's view, the previous stage's activations (if any) in place of its leading
+    inputs."""
+    if received:
+        args, kwargs = replace_leading_inputs(type(model).forward, model, args, kwargs, received)
+    try:
+        return type(model).forward(model, *args, **kwargs)
+    except (TypeError, AttributeError) as error:
+        if "NoneType" not in str(error):
+            raise
+        raise _CalledNone() from error
 
 
 def replace_leading_inputs(
