@@ -23,6 +23,7 @@ import functools
 import inspect
 import operator
 import re
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from itertools import chain
@@ -264,7 +265,9 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
     specs: list[TreeSpec] = []  # the output's structure, seen as the tracer runs forward (eagerly, on fake tensors)
     hook = skeleton.register_forward_hook(lambda _, __, out: specs.append(tree_flatten(out)[1]))
     try:
-        with _tracing_on_meta():
+        with _tracing_on_meta(), warnings.catch_warnings():
+            # torch's pipeline() deep-copies its graph's codegen, which holds a LeafSpec: torch's own deprecation
+            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
             pipe = pipeline(skeleton, args, kwargs, split_spec={p: SplitPoint.BEGINNING for p in split_points})
         out_spec = specs[-1]
         pieces = [pipe.split_gm.get_submodule(f"submod_pp_{i}") for i in range(pipe.num_stages)]
