@@ -167,12 +167,13 @@ class PipelineRunner:
             capture_model_call(self.module, self._entries, step, (mb, *rest), kwargs, hook) for mb in microbatches
         ]
         rows = batch_size_of(batch)
+        self.mb_rows = rows // n_microbatches
         schedule, self._wrappers = self._schedule(train, n_microbatches, signature(batch), inputs[0])
         for wrapper in self._wrappers:
-            wrapper.inputs, wrapper.mb_size = inputs, rows // n_microbatches
+            wrapper.inputs, wrapper.mb_size = inputs, self.mb_rows
         self._step, self._step_rest, self._step_kwargs = step, rest, kwargs
         self._microbatches, self._losses = microbatches, {}
-        self.outputs, self.mb_rows = {}, rows // n_microbatches
+        self.outputs = {}
         self._recorder = LogRecorder(self._tap.paths)
         self._recorder.weight = float(self.mb_rows)
 

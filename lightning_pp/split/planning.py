@@ -11,6 +11,7 @@ traced for real on the CPU. Under ``split="trace"`` the placement comes from tor
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -74,11 +75,15 @@ def learn_placement(
     tracer = None
     if options.split == "trace":
         placement, tracer = traced_placement(module, layers, n_stages, balance, call, module.training)
-    elif options.split == "prune" or not options.traceable:
-        placement = _learn_by_pruning(module, layers, n_stages, balance, entries[call.entry], call, device)
-        _refuse_other_results(unprunable(module, placement, call), options.traceable)
     else:
-        placement, tracer = _pruned_or_traced(module, layers, n_stages, balance, entries[call.entry], call, device)
+        prune = functools.partial(
+            _learn_by_pruning, module, layers, n_stages, balance, entries[call.entry], call, device
+        )
+        if options.split == "prune" or not options.traceable:
+            placement = prune()
+            _refuse_other_results(unprunable(module, placement, call), options.traceable)
+        else:
+            placement, tracer = _pruned_or_traced(module, layers, n_stages, balance, call, prune)
     rank_zero_info(placement.describe(module))
     return placement, tracer
 
@@ -103,15 +108,14 @@ def _pruned_or_traced(
     layers: str,
     n_stages: int,
     balance: Balance,
-    model: nn.Module,
     call: ModelCall,
-    device: torch.device,
+    prune: Callable[[], Placement],
 ) -> tuple[Placement, Tracer | None]:
     """``split=None``: pruned where the module's stages compose to its forward (``unprunable``), else traced, said
     once. A meta-built module whose forward needs values (Hugging Face's masks) cannot be pruned, whose structure
     is learned on meta, but is traced."""
     try:
-        placement = _learn_by_pruning(module, layers, n_stages, balance, model, call, device)
+        placement = prune()
     except PipelineConfigError as error:
         if not has_meta_tensors(module):
             raise
