@@ -469,6 +469,46 @@ class HFOlmo3(HFLlama):
         self.model = Olmo3ForCausalLM(config)
 
 
+class HFViT(HFLlama):
+    """Hugging Face's ``ViTForImageClassification``: each sample's tokens an image (one channel, 2 x 4 pixels), its
+    first target the class. Traced, its stages hand on an attention mask expanded over the batch (stride 0)."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import ViTConfig, ViTForImageClassification
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = ViTConfig(
+            image_size=(2, 4), patch_size=1, num_channels=1, hidden_size=32, num_hidden_layers=n_layers,
+            num_attention_heads=4, intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            num_labels=32,
+        )  # fmt: skip
+        self.model = ViTForImageClassification(config)
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        pixels = batch["tokens"].float().div(32).view(-1, 1, 2, 4)
+        return self.model(pixel_values=pixels, labels=batch["targets"][:, 0]).loss
+
+
+class HFBertClassifier(HFLlama):
+    """Hugging Face's ``BertForSequenceClassification``: its forward reads the pooler's output by position
+    (``outputs[1]``), which a stage without the pooler does not have."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import BertConfig, BertForSequenceClassification
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = BertConfig(
+            vocab_size=32, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4, intermediate_size=64,
+            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=8, num_labels=32,
+        )  # fmt: skip
+        self.model = BertForSequenceClassification(config)
+
+    def _loss(self, batch: dict) -> torch.Tensor:
+        return self.model(input_ids=batch["tokens"], labels=batch["targets"][:, 0]).loss
+
+
 class HFGPT2Logits(HFGPT2):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**{**kwargs, "logits": True})

@@ -8,12 +8,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from models import ListGPT, TinyGPT  # noqa: E402
+from models import HFBertClassifier, ListGPT, TinyGPT  # noqa: E402
 
 from lightning_pp.errors import PipelineConfigError  # noqa: E402
 from lightning_pp.examples.gpt import GPT  # noqa: E402
+from lightning_pp.layout.options import PipelineOptions  # noqa: E402
 from lightning_pp.memory.recompute import checkpoint_layers  # noqa: E402
 from lightning_pp.split.microbatch import ModelCall  # noqa: E402
+from lightning_pp.split.planning import learn_placement  # noqa: E402
 from lightning_pp.split.pruned import unprunable  # noqa: E402
 from lightning_pp.split.stage import (  # noqa: E402
     Tie,
@@ -222,6 +224,15 @@ class _CountsLayers(HeadFirst):
         return self.head(h) if self.head is not None else h
 
 
+class _ReadsTheHeadsOutput(HeadFirst):
+    def forward(self, x):
+        h = self.embed(x) if self.embed is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        outputs = (h,) if self.head is None else (h, self.head(h))
+        return outputs[1]  # as Hugging Face's classifiers read their pooler's output
+
+
 @pytest.mark.parametrize("where", ["real", "meta"])
 def test_a_forward_that_cannot_run_a_pruned_stage_is_found(where):
     # split=None traces such a forward; one that skips None parts keeps split="prune"; a forward that computes
@@ -237,6 +248,11 @@ def test_a_forward_that_cannot_run_a_pruned_stage_is_found(where):
             _CountsLayers(),
             "forward's result run stage by stage differs from its result whole (by up to" if where == "real" else None,
         ),
+        (
+            _ReadsTheHeadsOutput(),
+            "forward fails run stage by stage though it runs whole (on stage 0, where ['head', 'norm'] are None:"
+            " IndexError",
+        ),
     ]
     for module, found in cases:
         placement = place(module, "layers", 2, x)
@@ -246,6 +262,21 @@ def test_a_forward_that_cannot_run_a_pruned_stage_is_found(where):
         assert said == found or said.startswith(found), said
         assert all(p.is_meta == (where == "meta") for p in module.parameters())
         assert module.training
+
+
+def test_a_hf_classifier_whose_stages_cannot_run_pruned_is_traced_or_refused_under_split_prune():
+    # BertForSequenceClassification skips no part yet fails on a stage without its pooler (outputs[1]): it
+    # trained only traced; split="prune" failed at the first step with the model's IndexError
+    batch = {"tokens": torch.randint(0, 32, (4, 8)), "targets": torch.randint(0, 32, (4, 8))}
+
+    def learn(split):
+        options = PipelineOptions(split=split)
+        return learn_placement(HFBertClassifier(), options, 2, "training_step", (batch, 0), {}, 2, torch.device("cpu"))
+
+    placement, tracer = learn(None)
+    assert tracer is not None and placement.counts == (2, 2)
+    with pytest.raises(PipelineConfigError, match=r"fails run stage by stage.*IndexError.*pass split='trace'"):
+        learn("prune")
 
 
 @pytest.mark.parametrize("container", [nn.ModuleList, nn.Sequential])

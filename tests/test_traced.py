@@ -74,16 +74,20 @@ def test_hf_gpt2_traced_with_replicas_trains_as_one_process_on_their_combined_ba
     assert torch.equal(state[TIE[0]], state[TIE[1]])
 
 
-@pytest.mark.parametrize("model", ["llama", "olmo3"])
+@pytest.mark.parametrize("model", ["llama", "olmo3", "vit"])
 def test_hf_llama_traced_trains_as_one_process(model, tmp_path, reference):
     # the rotary embedding's @torch.no_grad() forward, traced as detached results (torch's unflattening drops the
     # arguments of a module called in a no-grad region); interleaved 1F1B: 4 stages on 2 ranks. Olmo3 calls its
     # rotary embedding twice (the trace's "rotary_emb@1" holds the model's own buffers; it used to be refused as
     # tensors made from values). Llama built on meta with the strategy's defaults: its layers found, and traced
-    # since its forward needs values on meta (its masks)
-    given = (
-        dict(layers="model.model.layers") if model == "olmo3" else dict(layers=None, split=None, build="init_module")
-    )
+    # since its forward needs values on meta (its masks). ViT with the defaults, built eagerly: traced since its
+    # forward calls its classifier, its stages hand on an attention mask expanded over the batch (stride 0,
+    # which gloo and NCCL refuse to send)
+    given = {
+        "olmo3": dict(layers="model.model.layers"),
+        "llama": dict(layers=None, split=None, build="init_module"),
+        "vit": dict(layers=None, split=None),
+    }[model]
     cfg = dict(GPT2, model=model, optimizer="sgd", **given, schedule="interleaved_1f1b", devices=2, m=4, batch=8)
     job = ok(run_job({**cfg, "n_train": 32, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
     ref = reference(**common({**cfg, "n_train": 32}))
@@ -92,6 +96,9 @@ def test_hf_llama_traced_trains_as_one_process(model, tmp_path, reference):
     if model == "llama":
         said = "Splitting 'model.model.layers' into stages: 4 layers (LlamaDecoderLayer)"
         assert job.output.count(said) == 1 and job.output.count("forward cannot run on meta tensors (") == 1
+    if model == "vit":
+        assert job.output.count("4 layers (ViTLayer)") == 1
+        assert job.output.count("forward calls the parts other stages hold instead of skipping them") == 1
 
 
 def test_hf_gpt2_traced_under_bf16_mixed_matches_one_process(tmp_path, reference):

@@ -29,7 +29,7 @@ from lightning_pp.split.experts import route_experts
 from lightning_pp.split.microbatch import ModelCall, batch_size_of, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
-from lightning_pp.split.pruned import DIFFERS, unprunable
+from lightning_pp.split.pruned import DIFFERS, FAILS, unprunable
 from lightning_pp.split.stage import (
     Placement,
     find_layers,
@@ -131,13 +131,19 @@ def _pruned_or_traced(
 
 
 def _refuse_other_results(why: str | None, traceable: bool) -> None:
-    """A forward that pruned stages run to another result would train silently otherwise than one process. The
-    other reasons the check finds fail at the first step, naming the part."""
+    """A forward that pruned stages run to another result would train silently otherwise than one process, and one
+    that fails on a stage would fail at the first step with the model's own error. The other reasons the check
+    finds fail at the first step, naming the part."""
+    trace = "pass split='trace' (torch's tracer splits the model as it is), or " if traceable else ""
     if why is not None and why.startswith(DIFFERS):
-        trace = "pass split='trace' (torch's tracer splits the model as it is), or " if traceable else ""
         raise PipelineConfigError(
             f"{why}. Each pruned stage runs forward over its own layers only, so training would differ from one"
             f" process: {trace}keep per-layer settings on the layers (an attribute of each, not its position)."
+        )
+    if why is not None and why.startswith(FAILS):
+        raise PipelineConfigError(
+            f"{why}. Each pruned stage runs forward with the parts other stages hold set to None: {trace}make"
+            " forward skip them and return the hidden state where the later parts are None."
         )
 
 

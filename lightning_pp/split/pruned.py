@@ -47,6 +47,12 @@ class StageModule(nn.Module):
         tensors = tuple(t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
         return tensors or torch.zeros(())
 
+    @staticmethod
+    def receive(received: tuple) -> tuple:
+        """The previous stage's activations, their gradients made contiguous on the way back (gloo and NCCL send
+        only contiguous tensors, and torch's stage sends a gradient with its own strides)."""
+        return tuple(_ContiguousGrad.apply(t) if t.requires_grad else t for t in received)
+
 
 StageModules = Callable[[bool, ModelCall], list[StageModule]]
 
@@ -60,12 +66,14 @@ def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageMod
 
 _RUN_FOR_REAL_BYTES = 2**30  # an eager module up to this size is run for real first: its values are compared too
 DIFFERS = "forward's result run stage by stage differs from its result whole"
+FAILS = "forward fails run stage by stage though it runs whole"
 
 
 def unprunable(module: nn.Module, placement: Placement, call: ModelCall) -> str | None:
     """Why the user's forward cannot run the module pruned to its stages: it calls a part that another stage holds
-    (None on this one) instead of skipping it, indexes the layers by position, hands the next stage something other
-    than tensors, or computes another result stage by stage than whole (``enumerate(self.layers)`` or
+    (None on this one) instead of skipping it, indexes the layers by position, fails otherwise on a stage (reads
+    an output another stage computes, as Hugging Face's classifiers read the pooler's), hands the next stage
+    something other than tensors, or computes another result stage by stage than whole (``enumerate(self.layers)`` or
     ``len(self.layers)`` in forward count a stage's layers only: silently other training). Found at set-up by
     running the stages' views one after another on what each hands the next, as at run time, and comparing with
     the whole forward: for real on the CPU for an eager module (in eval mode, the RNG left as it was; first up to
@@ -119,6 +127,11 @@ def _first_failure(
                 )
             except LayerNotHere as error:
                 return f"forward indexes the layers by position (on stage {stage}: {error})"
+            except Exception as error:  # noqa: BLE001 (the whole forward ran: its stages do not)
+                return (
+                    f"{FAILS} (on stage {stage}, where {placement.absent_on(stage)} are None:"
+                    f" {type(error).__name__}: {error})"
+                )
             received = out if isinstance(out, tuple) else (out,)
             if stage < last and not all(isinstance(t, torch.Tensor) for t in received):
                 return f"forward returns {type(out).__name__} on stage {stage}, where a pruned stage hands on tensors"
@@ -169,7 +182,7 @@ class _PrunedStage(StageModule):
     def forward(self, *received: torch.Tensor, mb: torch.Tensor) -> Any:
         index, (entry, args, kwargs) = self.call_of(mb)
         model = get_path(self.module, entry)
-        received = tuple(_ContiguousGrad.apply(t) if t.requires_grad else t for t in received)
+        received = self.receive(received)
         try:
             out = _stage_forward(model, args, kwargs, received)
         except _CalledNone as called:

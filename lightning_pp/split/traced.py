@@ -541,10 +541,10 @@ class _TracedStage(StageModule):
         index, (_, args, kwargs) = self.call_of(mb)
         trace = self._trace
         bound = _bind(self._model[0], args, kwargs) if any(k == "root" for k, _ in trace.sources[self.stage]) else {}
-        values = trace.run(self.stage, received, bound, piece)
+        values = trace.run(self.stage, self.receive(received), bound, piece)
         if self.is_last:
             return self.keep_output(index, tree_unflatten([values[k] for k in trace.outputs], trace.out_spec))
-        return tuple(values[key] for key in trace.carry[self.stage])
+        return tuple(values[key].contiguous() for key in trace.carry[self.stage])  # torch sends them with their strides
 
 
 class _ShardedTracedStage(_TracedStage):
