@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import ok, run_job
-from models import TinyGPT
+from models import MOE, TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal, combined
 
@@ -159,6 +159,18 @@ def test_a_models_measured_costs_are_kept_per_model_and_batch_shape(tmp_path, mo
         saved_costs(model, longer, "net.blocks") is None
         and saved_costs(TinyGPT(n_layers=3), batch, "net.blocks") is None
     )
+
+
+def test_a_hf_model_that_asks_for_a_key_value_cache_is_measured_as_the_pipeline_runs_it():
+    # the config's default use_cache=True: the eager forward built a cache whose concatenations joined torch's
+    # split-backward groups, and the weight pass failed ("backward through the graph a second time"); "auto"
+    # refused the model. The pipeline's traced copy runs without the cache, and so does the profile now
+    model = MOE["qwen2_moe"](n_layers=2)
+    model.model.config.use_cache = True
+    batch = {"tokens": torch.randint(0, 32, (4, 8)), "targets": torch.randint(0, 32, (4, 8))}
+    costs = profile_module(model, batch, None, [2])
+    assert len(costs.measured[0].forward) == 4 and all(t > 0 for t in costs.measured[0].weight_grad)
+    assert model.model.config.use_cache is True  # the user's config as it was
 
 
 def test_a_module_too_large_to_bring_to_the_ranks_device_is_costed_by_its_flops_and_left_as_it_was():

@@ -22,16 +22,17 @@ from lightning_pp.choose.machine import cache_path, write_cache
 from lightning_pp.choose.planner import ModelCosts
 from lightning_pp.split.microbatch import batch_size_of, split_batch
 from lightning_pp.split.profiling import Segments, count_segments, measure_segments, sum_of_outputs
-from lightning_pp.split.stage import find_layers, patched, resolve_layers
+from lightning_pp.split.stage import find_layers, patched, resolve_layers, without_kv_cache
 
 
 def profile_module(module: L.LightningModule, batch: Any, layers: str | None, sizes: Sequence[int]) -> ModelCosts:
     """Costs of ``module``'s own training step on micro-batches of ``sizes`` samples cut from ``batch``, and of its
-    optimizer: one process, the module as it is (on the CPU here); its weights and gradients are left as they were."""
+    optimizer: one process, the module as it is (on the CPU here) but for a key/value cache, which the pipeline does
+    not build; its weights and gradients are left as they were."""
     blocks = find_layers(module, resolve_layers(module, layers))
     full = batch_size_of(batch)
     measured = []
-    with patched(module, log=lambda *_, **__: None):
+    with patched(module, log=lambda *_, **__: None), without_kv_cache(module):
         for size in sorted(set(sizes)):
             micro = split_batch(batch, full // size)[0]
             measured.append(measure_segments(module, blocks, lambda micro=micro: module.training_step(micro, 0), size))
@@ -49,7 +50,7 @@ def counted_costs(
     full = batch_size_of(batch)
     on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
     measured = []
-    with patched(module, log=lambda *_, **__: None):
+    with patched(module, log=lambda *_, **__: None), without_kv_cache(module):
         for size in sorted(set(sizes)):
             micro = split_batch(on_meta, full // size)[0]
             step = functools.partial(module.training_step, micro, 0)

@@ -566,3 +566,26 @@ def patched(obj: Any, **attrs: Any) -> Iterator[None]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
+
+
+def kv_cache_configs(module: nn.Module) -> list[Any]:
+    """The Hugging Face configs in ``module`` that ask for a key/value cache (``use_cache=True``, most configs'
+    default), each once."""
+    configs = (getattr(m, "config", None) for m in module.modules())
+    return list({id(c): c for c in configs if getattr(c, "use_cache", False) is True}.values())
+
+
+@contextlib.contextmanager
+def without_kv_cache(module: nn.Module) -> Iterator[None]:
+    """``module`` run as the pipeline runs it, without a key/value cache (the traced copy's configs say
+    ``use_cache=False``): an eager Hugging Face forward in training builds the cache otherwise, whose concatenations
+    cost time the pipeline does not spend and join torch's split-backward groups (its weight pass then reran freed
+    nodes)."""
+    configs = kv_cache_configs(module)
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs:
+            config.use_cache = True

@@ -44,7 +44,15 @@ from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
 from lightning_pp.split.pruned import StageModule, StageModules
-from lightning_pp.split.stage import Placement, find_layers, find_ties, get_path, parts_and_params, patched
+from lightning_pp.split.stage import (
+    Placement,
+    find_layers,
+    find_ties,
+    get_path,
+    kv_cache_configs,
+    parts_and_params,
+    patched,
+)
 
 _ALTERNATIVES = (
     "split='prune' (the default) with a forward that skips the parts other stages hold (`h = self.wte(x) if"
@@ -235,9 +243,8 @@ def _without_cache(skeleton: nn.Module) -> None:
     """A Hugging Face config's ``use_cache=True`` (most configs' default) would make the traced graph return a
     cache object: the traced copy runs without it, as HF itself does under gradient checkpointing. The user's
     model keeps its config."""
-    configs = [getattr(m, "config", None) for m in skeleton.modules()]
-    cached = {id(c): c for c in configs if getattr(c, "use_cache", False) is True}
-    for config in cached.values():
+    cached = kv_cache_configs(skeleton)
+    for config in cached:
         config.use_cache = False
     if cached:
         _say_once(
