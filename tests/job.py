@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads are counted)
 from models import (  # noqa: E402
     HFGPT2,
+    HFOPT,
     MOE,
     BatchNormGPT,
     BlockCompiledGPT,
@@ -96,6 +97,7 @@ MODELS = {
     "llama": HFLlama,
     "olmo3": HFOlmo3,
     "vit": HFViT,
+    "opt": HFOPT,
     "batchnorm": BatchNormGPT,
     "frozen": FrozenGPT,
     "frozen_tp": FrozenTensorParallelGPT,

@@ -490,6 +490,22 @@ class HFViT(HFLlama):
         return self.model(pixel_values=pixels, labels=batch["targets"][:, 0]).loss
 
 
+class HFOPT(HFLlama):
+    """Hugging Face's ``OPTForCausalLM``: its layers return a view (``reshape``), which torch's split backward (the
+    zero-bubble and V schedules) detaches in place."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import OPTConfig, OPTForCausalLM
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = OPTConfig(
+            vocab_size=32, hidden_size=32, num_hidden_layers=n_layers, ffn_dim=64, num_attention_heads=4, dropout=0.0,
+            attention_dropout=0.0, max_position_embeddings=16, word_embed_proj_dim=32, use_cache=False,
+        )  # fmt: skip
+        self.model = OPTForCausalLM(config)
+
+
 class HFBertClassifier(HFLlama):
     """Hugging Face's ``BertForSequenceClassification``: its forward reads the pooler's output by position
     (``outputs[1]``), which a stage without the pooler does not have."""

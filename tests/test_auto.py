@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import ok, run_job
-from models import MOE, TinyGPT
+from models import HFOPT, MOE, TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal, combined
 
@@ -161,11 +161,13 @@ def test_a_models_measured_costs_are_kept_per_model_and_batch_shape(tmp_path, mo
     )
 
 
-def test_a_hf_model_that_asks_for_a_key_value_cache_is_measured_as_the_pipeline_runs_it():
-    # the config's default use_cache=True: the eager forward built a cache whose concatenations joined torch's
-    # split-backward groups, and the weight pass failed ("backward through the graph a second time"); "auto"
-    # refused the model. The pipeline's traced copy runs without the cache, and so does the profile now
-    model = MOE["qwen2_moe"](n_layers=2)
+@pytest.mark.parametrize("family", ["qwen2_moe", "opt"])
+def test_hf_models_are_measured_as_the_pipeline_runs_them(family):
+    # Qwen2-MoE at the config's default use_cache=True: the eager forward built a cache whose concatenations joined
+    # torch's split-backward groups, and the weight pass failed ("backward through the graph a second time"); the
+    # pipeline's traced copy runs without the cache, and so does the profile now. OPT's layers return a view, which
+    # the input pass detached in place ("Can't detach views in-place"); a stage hands on no view. "auto" refused both
+    model = MOE["qwen2_moe"](n_layers=2) if family == "qwen2_moe" else HFOPT(n_layers=2)
     model.model.config.use_cache = True
     batch = {"tokens": torch.randint(0, 32, (4, 8)), "targets": torch.randint(0, 32, (4, 8))}
     costs = profile_module(model, batch, None, [2])

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pp.split.partition import Costs
+from lightning_pp.split.pruned import sendable
 
 
 def sum_of_outputs(output: Any) -> torch.Tensor:
@@ -364,7 +365,8 @@ def _split_backward(
             (args, kwargs),
         )
         leaves = [t for t in tree_flatten((a, kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        outputs = [t for t in tree_flatten(layer(*a, **kw))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        out = tree_flatten(layer(*a, **kw))[0]  # handed on as a stage hands it (not a view: the input pass detaches it)
+        outputs = [sendable(t) for t in out if isinstance(t, torch.Tensor) and t.requires_grad]
         grads = [torch.ones_like(t) for t in outputs]
         t0 = now()
         _, param_groups = stage_backward_input(outputs, grads, leaves, iter(params))

@@ -57,6 +57,15 @@ class StageModule(nn.Module):
 StageModules = Callable[[bool, ModelCall], list[StageModule]]
 
 
+def sendable(tensor: torch.Tensor) -> torch.Tensor:
+    """What a stage hands the next: contiguous (gloo and NCCL send only contiguous tensors, and torch sends a
+    tensor with its own strides) and not a view (the zero-bubble and V schedules' input pass detaches a stage's
+    outputs in place, which a view refuses: Hugging Face OPT's layers return one)."""
+    if not tensor.is_contiguous():
+        return tensor.contiguous()
+    return tensor.clone() if tensor._is_view() else tensor
+
+
 def pruned_stages(views: dict[int, nn.Module], placement: Placement) -> StageModules:
     """``split="prune"``: each stage runs the user's ``forward`` on its view, for every batch signature."""
     last = placement.n_stages - 1
@@ -195,10 +204,10 @@ class _PrunedStage(StageModule):
             ) from error
         if self.is_last:
             return self.keep_output(index, out)
-        if isinstance(out, torch.Tensor):  # sent as is: gloo and NCCL refuse a non-contiguous tensor (a transpose)
-            return out.contiguous()
+        if isinstance(out, torch.Tensor):
+            return sendable(out)
         if isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out):
-            return tuple(t.contiguous() for t in out)
+            return tuple(map(sendable, out))
         raise PipelineConfigError(
             f"forward returned {type(out).__name__} on a stage that is not the last; a stage must hand the next"
             " one a tensor (or a tuple of tensors): return the hidden state when the later parts are None."

@@ -43,7 +43,7 @@ from lightning_pp.split.experts import ROUTED_OP, call_routed, is_experts
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
-from lightning_pp.split.pruned import StageModule, StageModules
+from lightning_pp.split.pruned import StageModule, StageModules, sendable
 from lightning_pp.split.stage import (
     Placement,
     find_layers,
@@ -551,7 +551,7 @@ class _TracedStage(StageModule):
         values = trace.run(self.stage, self.receive(received), bound, piece)
         if self.is_last:
             return self.keep_output(index, tree_unflatten([values[k] for k in trace.outputs], trace.out_spec))
-        return tuple(values[key].contiguous() for key in trace.carry[self.stage])  # torch sends them with their strides
+        return tuple(sendable(values[key]) for key in trace.carry[self.stage])
 
 
 class _ShardedTracedStage(_TracedStage):
