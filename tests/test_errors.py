@@ -76,7 +76,10 @@ def test_constructor_rejects_bad_arguments(kwargs, error, match):
 
 def test_checks_before_the_first_batch():
     model = TinyGPT(n_layers=4)
-    with pytest.raises(PipelineConfigError, match=r"4 layers but the pipeline has 5 stages"):
+    with pytest.raises(
+        PipelineConfigError,
+        match=r"4 layers but the pipeline has 5 stages.*at most 4 stages \(pipeline ranks x stages_per_rank",
+    ):
         check_module(model, "net.blocks", None, 5)
     with pytest.raises(ValueError, match=r"balance=\[1, 2\] sums to 3 but the model has 4 layers"):
         check_module(model, "net.blocks", [1, 2], 2)

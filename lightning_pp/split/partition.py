@@ -123,5 +123,6 @@ def _check_counts(n_layers: int, n_stages: int) -> None:
     if n_layers < n_stages:
         raise PipelineConfigError(
             f"The model has {n_layers} layers but the pipeline has {n_stages} stages; every stage needs at"
-            f" least one layer: use at most {n_layers} devices for the pipeline or a model with more layers."
+            f" least one layer: use at most {n_layers} stages (pipeline ranks x stages_per_rank; the V schedules"
+            " hold 2 per rank) or a model with more layers."
         )
