@@ -525,6 +525,18 @@ class HFBertClassifier(HFLlama):
         return self.model(input_ids=batch["tokens"], labels=batch["targets"][:, 0]).loss
 
 
+class LoraBert(HFBertClassifier):
+    """``BertForSequenceClassification`` wrapped by ``get_peft_model`` with ``task_type="SEQ_CLS"``, which trains
+    the classifier whole beside LoRA on the queries and values: peft's ``modules_to_save`` copy of it."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        super().__init__(n_layers, lr, optimizer)
+        from peft import LoraConfig, get_peft_model
+
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["query", "value"], task_type="SEQ_CLS")
+        self.model = get_peft_model(self.model, config)
+
+
 class HFGPT2Logits(HFGPT2):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**{**kwargs, "logits": True})

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ok, run_job
-from models import LoraLlama, TinyGPT
+from models import LoraBert, LoraLlama, TinyGPT
+from test_parity import common
+from test_tied import assert_state_equal
 
 from lightning_pp.checkpoints.adapters import adapter_sites
 from lightning_pp.checkpoints.export import EXPORT_KEY, export_hf, export_names, export_peft
@@ -137,3 +139,46 @@ def test_peft_export_of_a_run_without_adapters_is_refused(tmp_path, how):
     run = consolidate(tmp_path / "tiny.ckpt", tmp_path / "out", "--format", "peft")
     assert run.returncode != 0 and "records no peft adapters" in run.stderr and "--format hf" in run.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_a_lora_classifier_trains_its_head_whole_and_exports_it_both_ways(tmp_path, reference):
+    # task_type="SEQ_CLS": peft trains a copy of the classifier (modules_to_save) beside LoRA. Built on meta, the
+    # copy started other than the classifier it copies (one process: equal); the merged export refused the
+    # adapter and the adapter export lost the trained head. Defaults (layers found, traced), ZBV on 4 stages
+    from peft import PeftModel
+    from transformers import AutoModelForSequenceClassification, BertForSequenceClassification
+
+    cfg = dict(model="lora_bert", layers=None, split=None, schedule="zbv", devices=2, m=4, batch=8, n_train=32,
+               n_val=8, limit_val_batches=0, sanity=0, optimizer="sgd", lr=0.5, build="init_module")  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
+    ref = reference(**common(cfg))
+    head = "model.base_model.model.classifier"
+    for part in ("weight", "bias"):  # the copy starts as the classifier, as get_peft_model's deep copy does
+        assert torch.equal(
+            ref["initial"][f"{head}.original_module.{part}"], ref["initial"][f"{head}.modules_to_save.default.{part}"]
+        )
+    state = job.state()
+    assert_state_equal(state, ref["state"], 1e-5)
+    moved = state[f"{head}.modules_to_save.default.weight"] - ref["initial"][f"{head}.modules_to_save.default.weight"]
+    assert moved.abs().max() > 1e-3  # the head trained
+
+    model = LoraBert()
+    model.load_state_dict(state)
+    site = adapter_sites(model)[0]
+    tokens = IDS[:, :8]
+    with torch.no_grad():
+        want = model.model.eval()(input_ids=tokens).logits
+    out = tmp_path / "exports"
+    for fmt in ("peft", "hf"):
+        run = consolidate(tmp_path / "job" / "final.ckpt", out / fmt, "--format", fmt)
+        assert run.returncode == 0, run.stderr[-3000:]
+    base = BertForSequenceClassification(LoraBert().model.base_model.model.config)
+    base.load_state_dict({site.base_key(k): v for k, v in ref["initial"].items() if not site.adapter_of(k)})
+    with torch.no_grad():
+        assert (base.eval()(input_ids=tokens).logits - want).abs().max() > 100 * LOGITS_TOL  # it trained
+    adapted = PeftModel.from_pretrained(base, out / "peft")  # adapts base in place
+    merged, info = AutoModelForSequenceClassification.from_pretrained(out / "hf", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    with torch.no_grad():
+        assert (adapted.eval()(input_ids=tokens).logits - want).abs().max() <= LOGITS_TOL
+        assert (merged.eval()(input_ids=tokens).logits - want).abs().max() <= LOGITS_TOL

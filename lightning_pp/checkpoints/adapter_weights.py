@@ -37,10 +37,10 @@ def open_adapter(path: str | os.PathLike, module: nn.Module) -> tuple[Pretrained
     site, adapter = _only_adapter(module, path)
     _check_config(path, site.configs[adapter], adapter)
     pretrained = open_pretrained(path / ADAPTER_WEIGHTS)
-    keys = {site.module_name(key, adapter): key for key in pretrained.shapes}
     state = module.state_dict(keep_vars=True)
     own = [n for n in state if site.adapter_of(n) == adapter]
-    unknown = sorted(k for n, k in keys.items() if n not in own)
+    keys = {n: k for n in own if (k := str(site.peft_key(n))) in pretrained.shapes}
+    unknown = sorted(set(pretrained.shapes) - set(keys.values()))
     missing = [n for n in own if n not in keys]
     if unknown or missing:
         what = [f"{len(unknown)} tensors the module has not: {_few(unknown)}"] if unknown else []

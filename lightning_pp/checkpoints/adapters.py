@@ -20,6 +20,8 @@ PEFT_FILE_PREFIX = "base_model.model."  # what peft's adapter files put ahead of
 ADAPTER_CONFIG = "adapter_config.json"  # what PeftModel.save_pretrained writes into an adapter directory
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _BASE_LAYER = ".base_layer"
+_ORIGINAL = ".original_module"  # peft's ModulesToSaveWrapper: the frozen module, and its trained copies under
+_COPIES = ".modules_to_save"  # modules_to_save.<adapter>
 
 
 @dataclass(frozen=True)
@@ -31,38 +33,42 @@ class AdapterSite:
     holder: str  # qualified name of the module holding ``peft_config`` (the PeftModel or the injected model)
 
     def base_key(self, name: str) -> Optional[str]:
-        """``name`` (a tensor of the LightningModule) as the base model names it; None for adapter tensors and
-        tensors outside this site."""
-        if not name.startswith(self.prefix) or self.adapter_of(name) is not None:
+        """``name`` (a tensor of the LightningModule) as the base model names it: peft's ``.base_layer`` and
+        ``.original_module`` steps out, and a ``modules_to_save`` copy named as the module it copies (peft starts
+        it as that module's copy). None for LoRA's own tensors and tensors outside this site."""
+        if not name.startswith(self.prefix) or (self.adapter_of(name) is not None and not self.is_copy(name)):
             return None
-        return name[len(self.prefix) :].replace(_BASE_LAYER + ".", ".")
+        rest = name[len(self.prefix) :]
+        if self.is_copy(name):
+            rest = rest.replace(f"{_COPIES}.{self.adapter_of(name)}.", ".", 1)
+        return rest.replace(_BASE_LAYER + ".", ".").replace(_ORIGINAL + ".", ".")
 
     def adapter_of(self, name: str) -> Optional[str]:
-        """The adapter a tensor belongs to (``"default"``), None for base tensors."""
+        """The adapter a tensor belongs to (``"default"``): LoRA's tensors and the adapter's ``modules_to_save``
+        copy; None for base tensors."""
         if not name.startswith(self.prefix):
             return None
         parts = name[len(self.prefix) :].split(".")
         for i, part in enumerate(parts[:-1]):
-            if part.startswith("lora_") and parts[i + 1] in self.configs:
+            if (part.startswith("lora_") or part == _COPIES[1:]) and parts[i + 1] in self.configs:
                 return parts[i + 1]
         return None
 
+    def is_copy(self, name: str) -> bool:
+        """Whether ``name`` is in an adapter's ``modules_to_save`` copy of a module (a classifier head that trains
+        whole beside LoRA: ``task_type="SEQ_CLS"`` adds it by itself)."""
+        adapter = self.adapter_of(name)
+        return adapter is not None and f"{_COPIES}.{adapter}." in name[len(self.prefix) :]
+
     def peft_key(self, name: str) -> Optional[str]:
-        """``name`` as peft's adapter file names it (``base_model.model.<base names>``, the adapter's name out)."""
+        """``name`` as peft's adapter file names it (``base_model.model.<base names>``, the adapter's name out; a
+        ``modules_to_save`` copy under the name of the module it copies)."""
         adapter = self.adapter_of(name)
         if adapter is None:
             return None
+        if self.is_copy(name):
+            return PEFT_FILE_PREFIX + str(self.base_key(name))
         return PEFT_FILE_PREFIX + name[len(self.prefix) :].replace(f".{adapter}.", ".", 1)
-
-    def module_name(self, peft_key: str, adapter: str = "default") -> str:
-        """A key of peft's adapter file as this LightningModule names the tensor (the inverse of ``peft_key``)."""
-        rest = peft_key[len(PEFT_FILE_PREFIX) :] if peft_key.startswith(PEFT_FILE_PREFIX) else peft_key
-        parts = rest.split(".")
-        for i, part in enumerate(parts):
-            if part.startswith("lora_"):
-                parts.insert(i + 1, adapter)
-                break
-        return self.prefix + ".".join(parts)
 
 
 def adapter_sites(module: nn.Module) -> list[AdapterSite]:

@@ -78,7 +78,7 @@ def export_hf(src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30, adapter: s
     export, state, read = _open(src)
     sites = recorded_sites(export)
     merges = _merges(state, sites, adapter)
-    names, left_out = _hf_names(list(state), export, sites)
+    names, left_out = _hf_names(list(state), export, sites, adapter)
     merged = {n for m in merges.values() for n in (m.a, m.b)}
     left_out = [n for n in left_out if n not in merged]
     check_kept(export.get("trainable", ()), left_out, "export the adapter with --format peft, or map these names")
@@ -192,27 +192,32 @@ def _one_site(sites: list[AdapterSite], adapter: str, src: Path) -> AdapterSite:
 
 
 def _hf_names(
-    names: list[str], export: Mapping[str, Any], sites: list[AdapterSite]
+    names: list[str], export: Mapping[str, Any], sites: list[AdapterSite], adapter: str
 ) -> tuple[dict[str, str], list[str]]:
     """Each tensor's name in the export (the key it came in under, else its name inside the HF model, peft's
     ``.base_layer`` out), each written once (a tied tensor's second name is left to the model's config, as
-    ``save_pretrained`` does). Adapter tensors are left out (merged, or refused when trained)."""
+    ``save_pretrained`` does). ``adapter``'s ``modules_to_save`` copies take the place of the modules they copy;
+    other adapter tensors are left out (merged, or refused when trained)."""
     keys, hf = export.get("keys", {}), export.get("hf")
     prefix = hf["prefix"] if hf is not None else ""
     out: dict[str, str] = {}  # key -> the first name written under it
+    copies: dict[str, str] = {}  # key -> the adapter's copy written under it instead
     left_out: list[str] = []
     for name in names:
         site = site_of(sites, name)
-        if site is not None and site.adapter_of(name) is not None:
+        owner = site.adapter_of(name) if site is not None else None
+        if site is not None and owner is not None and not (owner == adapter and site.is_copy(name)):
             left_out.append(name)
             continue
         plain = site.prefix + (site.base_key(name) or "") if site is not None else name
         key = keys.get(name) or (plain[len(prefix) :] if plain.startswith(prefix) else None)
         if key is None:
             left_out.append(name)
+        elif owner is not None:
+            copies[key] = name
         else:
             out.setdefault(key, name)
-    return {name: key for key, name in out.items()}, left_out
+    return {name: key for key, name in {**out, **copies}.items()}, left_out
 
 
 def _files(names: Mapping[str, str], state: Mapping[str, torch.Tensor], limit: int) -> dict[int, list[str]]:

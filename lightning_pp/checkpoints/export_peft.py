@@ -6,9 +6,10 @@ A checkpoint records (``record_adapters``) each peft site's prefix and each adap
 trained. ``consolidate --format peft`` writes the adapter's own tensors under peft's names; ``--format hf`` writes
 the merged model: for each LoRA-adapted weight ``W + scaling * (B @ A)`` with peft's own ``scaling``
 (``lora_alpha / r``, ``lora_alpha / sqrt(r)`` under ``use_rslora``, ``rank_pattern``/``alpha_pattern`` by peft's
-own ``get_pattern_key``), transposed under ``fan_in_fan_out``. Any LoRA option that changes that arithmetic (DoRA,
-LoRA biases, ``modules_to_save``, ...) and any other peft type is refused rather than merged wrong. So is any
-export that would leave out tensors the run trained, naming them.
+own ``get_pattern_key``), transposed under ``fan_in_fan_out``, and each ``modules_to_save`` copy in place of the
+module it copies (as peft's ``merge_and_unload`` does). Any LoRA option that changes that arithmetic (DoRA, LoRA
+biases, ...) and any other peft type is refused rather than merged wrong. So is any export that would leave out
+tensors the run trained, naming them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ _MERGE_NEUTRAL = frozenset(
         "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out",
         "bias", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
         "alpha_pattern", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-        "qalora_group_size", "ensure_weight_tying",
+        "qalora_group_size", "ensure_weight_tying", "modules_to_save",
     }
 )  # fmt: skip
 
@@ -96,7 +97,7 @@ def lora_merges(state: Mapping[str, torch.Tensor], site: AdapterSite, adapter: s
         )
     pairs: dict[str, dict[str, str]] = {}
     for name in state:
-        if site.adapter_of(name) == adapter:
+        if site.adapter_of(name) == adapter and not site.is_copy(name):  # a modules_to_save copy replaces, whole
             module, _, rest = name.partition(f".{adapter}.")
             module, _, kind = module.rpartition(".")
             if kind not in ("lora_A", "lora_B") or rest != "weight":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +34,7 @@ class Rule:
     lora: tuple[tuple[str, Any], ...] = ()  # a peft LoRA layer: (adapter, init_lora_weights) for each adapter
     tuner: str = ""  # inside an adapter of this peft tuner layer (qualified name), which initialises it afterwards
     unknown: str = ""  # why its initialisation cannot be known without the base weights
+    seed_name: str = ""  # the name whose seed it draws under, if not its own: a modules_to_save copy's original
 
 
 _PLAIN = Rule()
@@ -100,7 +101,24 @@ def library_rules(root: nn.Module, prefix: str = "") -> dict[str, Rule]:
                 visit(_join(name, key), child, pretrained, configs, below)
 
     visit(prefix, root, None, {}, None)
+    _copies_draw_as_their_originals(root, prefix, rules)
     return rules
+
+
+def _copies_draw_as_their_originals(root: nn.Module, prefix: str, rules: dict[str, Rule]) -> None:
+    """peft starts an adapter's ``modules_to_save`` copy as a deep copy of the module it wraps
+    (``original_module``): each module of the copy draws under its original's seed, by the same rule, so both
+    start equal as on one process (on its own seed the copy started other than the module it replaces)."""
+    wrapper_type = _imported("peft.utils.other", "ModulesToSaveWrapper")
+    if wrapper_type is None:
+        return
+    for name, wrapper in root.named_modules():
+        if isinstance(wrapper, wrapper_type):
+            for adapter, copy in wrapper.modules_to_save.items():
+                for inner, _ in copy.named_modules():
+                    qualified = _join(_join(prefix, name), _join(f"modules_to_save.{adapter}", inner))
+                    original = _join(_join(prefix, name), _join("original_module", inner))
+                    rules[qualified] = replace(rules.get(qualified, _PLAIN), seed_name=original)
 
 
 def _tuner_rule(name: str, layer: nn.Module, configs: dict[str, Any]) -> Rule:

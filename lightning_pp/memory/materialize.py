@@ -153,7 +153,7 @@ def materialize(
         _check_metrics(module)
         if init_fn is None:
             check_owners(module, owners)
-    initializers = [(o.name, initializer(o, init_fn)) for o in owners]
+    initializers = [(o.rule.seed_name or o.name, initializer(o, init_fn)) for o in owners]
     checked = library_set(owners) if init_fn is None else []
     with contextlib.ExitStack() as whole:
         for owner in owners:
