@@ -16,6 +16,7 @@ from models import LoraBert, LoraLlama, TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal
 
+from lightning_pp.checkpoints.adapter_weights import open_adapter
 from lightning_pp.checkpoints.adapters import adapter_sites
 from lightning_pp.checkpoints.export import EXPORT_KEY, export_hf, export_names, export_peft
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, fingerprint
@@ -182,3 +183,6 @@ def test_a_lora_classifier_trains_its_head_whole_and_exports_it_both_ways(tmp_pa
     with torch.no_grad():
         assert (adapted.eval()(input_ids=tokens).logits - want).abs().max() <= LOGITS_TOL
         assert (merged.eval()(input_ids=tokens).logits - want).abs().max() <= LOGITS_TOL
+    model.model.save_pretrained(tmp_path / "saved")  # peft's own adapter directory starts the copy (init_adapter)
+    _, weights = open_adapter(tmp_path / "saved", LoraBert())
+    assert weights.keys[f"{head}.modules_to_save.default.weight"] == "base_model.model.classifier.weight"
