@@ -20,8 +20,8 @@ PEFT_FILE_PREFIX = "base_model.model."  # what peft's adapter files put ahead of
 ADAPTER_CONFIG = "adapter_config.json"  # what PeftModel.save_pretrained writes into an adapter directory
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _BASE_LAYER = ".base_layer"
-_ORIGINAL = ".original_module"  # peft's ModulesToSaveWrapper: the frozen module, and its trained copies under
-_COPIES = ".modules_to_save"  # modules_to_save.<adapter>
+_ORIGINAL = ".original_module"  # in peft's ModulesToSaveWrapper: the module it wraps, frozen
+_COPIES = ".modules_to_save"  # and each adapter's trained copy of it, at modules_to_save.<adapter>
 
 
 @dataclass(frozen=True)
