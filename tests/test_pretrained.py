@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFGPT2, MOE, HFLlama, TinyGPT, _moe_config, renamed_key
+from models import HFGPT2, MOE, HFBertClassifier, HFLlama, LoraBert, TinyGPT, _moe_config, renamed_key
 from test_frozen import _micro
 from test_moe import _close, _losses
 from test_parity import assert_same_logs, common
@@ -240,3 +240,23 @@ def test_hf_qwen3_moe_on_meta_reads_its_per_expert_checkpoint_under_1f1b_and_exp
     exported, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert_state_equal({f"model.{k}": v for k, v in exported.state_dict().items()}, job.state(), 0.0)
+
+
+def test_a_modules_to_save_copy_reads_what_its_original_reads(tmp_path):
+    # peft starts a modules_to_save copy (task_type="SEQ_CLS": the classifier) as the module it copies: under
+    # init_weights the copy and its original both take the checkpoint's classifier, in the strategy's order
+    # (matched on the whole module, materialised with what is read next left allocated only, then read)
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(123)
+    HFBertClassifier(n_layers=2).model.save_pretrained(tmp_path / "bert")
+    with empty_weights():
+        model = LoraBert(n_layers=2)
+    pretrained = open_pretrained(tmp_path / "bert", model)
+    weights = match_weights(pretrained, model)
+    materialize(model, loaded=frozenset(weights.keys))
+    load_weights(pretrained, weights, model)
+    saved = BertForSequenceClassification.from_pretrained(tmp_path / "bert").classifier
+    head = model.model.base_model.model.classifier
+    for module in (head.original_module, head.modules_to_save["default"]):
+        assert torch.equal(module.weight, saved.weight) and torch.equal(module.bias, saved.bias)

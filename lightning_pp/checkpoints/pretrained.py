@@ -187,12 +187,20 @@ def load_weights(pretrained: Pretrained, weights: WeightMap, module: nn.Module) 
     Returns the bytes of the checkpoint's tensors asked for (a DTensor's piece, not the whole tensor).
     """
     wanted: dict[str, torch.Tensor] = {}
+    copies: list[tuple[str, torch.Tensor]] = []  # a second tensor of one key: a peft modules_to_save copy
     for name, tensor in module.state_dict(keep_vars=True).items():
         if name in weights.keys and tensor is not None:
-            wanted.setdefault(weights.keys[name], tensor.detach())
+            key = weights.keys[name]
+            if key in wanted and wanted[key] is not tensor:  # a tied tensor is one object under several names
+                copies.append((key, tensor.detach()))
+            wanted.setdefault(key, tensor)
     if not wanted:
         return 0
+    wanted = {k: t.detach() for k, t in wanted.items()}
     read_keys(pretrained, wanted)
+    with torch.no_grad():
+        for key, tensor in copies:
+            tensor.copy_(wanted[key])
     return sum(local_tensor(t).numel() * pretrained.shapes[k][1].itemsize for k, t in wanted.items())
 
 
