@@ -10,13 +10,13 @@ import re
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFOPT, MOE, TinyGPT
+from models import HFOPT, MOE, HFLlama, LoraLlama, TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal, combined
 
 from lightning_pp import PipelineStrategy
-from lightning_pp.choose.auto import _counted, _measured_here
-from lightning_pp.choose.costs import profile_module, save_costs, saved_costs
+from lightning_pp.choose.auto import _measured_here
+from lightning_pp.choose.costs import counted_costs, profile_module, save_costs, saved_costs
 from lightning_pp.choose.machine import Machine
 from lightning_pp.choose.planner import ModelCosts, plan
 from lightning_pp.errors import PipelineConfigError
@@ -177,7 +177,7 @@ def test_hf_models_are_measured_as_the_pipeline_runs_them(family):
 
 def test_a_module_too_large_to_bring_to_the_ranks_device_is_costed_by_its_flops_and_left_as_it_was():
     # built on the CPU for a GPU run: moved to the GPU for the profile when it fits easily, else its FLOPs are
-    # counted through meta stand-ins of its tensors (timed on the CPU, the costs were the CPU's, and took minutes)
+    # counted through fake stand-ins of its tensors (timed on the CPU, the costs were the CPU's, and took minutes)
     gib, cpu, gpu = 2**30, torch.device("cpu"), torch.device("cuda", 0)
     assert _measured_here(cpu, gpu, 6 * gib, 80 * gib) and not _measured_here(cpu, gpu, 7 * gib, 80 * gib)
     assert _measured_here(cpu, cpu, 70 * gib, 0)  # trained where it is: timed there
@@ -185,24 +185,46 @@ def test_a_module_too_large_to_bring_to_the_ranks_device_is_costed_by_its_flops_
     model = TinyGPT(n_layers=3)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     batch = {"tokens": torch.zeros(4, 8, dtype=torch.long), "targets": torch.zeros(4, 8, dtype=torch.long)}
-    counted = _counted(model, batch, "net.blocks", [1, 4], 1e12)
+    counted = counted_costs(model, batch, "net.blocks", [1, 4], 1e12, cpu)
     with torch.device("meta"):
         built = TinyGPT(n_layers=3)
-    assert counted == _counted(built, batch, "net.blocks", [1, 4], 1e12)
+    assert counted == counted_costs(built, batch, "net.blocks", [1, 4], 1e12, cpu)
     assert counted.measured[1].forward[1] > 0 and counted.measured[1].saved_bytes[1] > 0
+    profiled = profile_module(model, batch, "net.blocks", [1, 4])  # what a step saves, counted as a real one saves it
+    assert [c.saved_bytes for c in counted.measured] == [c.saved_bytes for c in profiled.measured]
     after = model.state_dict()
     assert all(after[k].device == cpu and torch.equal(after[k], v) for k, v in before.items())
 
 
-def test_auto_costs_a_model_built_on_meta_in_flops_and_trains_as_one_process(tmp_path, reference):
-    cfg = dict(AUTO, model="init", build="init_module")
+@pytest.mark.parametrize("model", [HFLlama, LoraLlama])
+def test_hf_models_built_on_meta_are_costed_by_their_flops(model):
+    # Hugging Face's forward reads the positions' values (packed sequences) unless its tensors are fake: on meta
+    # tensors it stopped with "Tensor.item() cannot be called on meta tensors"
+    batch = {"tokens": torch.zeros(4, 8, dtype=torch.long), "targets": torch.zeros(4, 8, dtype=torch.long)}
+    torch.manual_seed(0)
+    eager = model(n_layers=3)
+    with torch.device("meta"):
+        built = model(n_layers=3)
+    counted = counted_costs(built, batch, None, [1, 4], 1e12, torch.device("cpu"))
+    assert counted == counted_costs(eager, batch, None, [1, 4], 1e12, torch.device("cpu"))
+    assert all(f > 0 for f in counted.measured[1].forward[1:4]), counted.measured[1]
+
+
+def test_auto_costs_a_lora_model_built_on_meta_in_flops_and_trains_as_one_process(tmp_path, reference):
+    # peft's LoRA on a Llama, built on meta and read from a saved one, with the defaults but schedule="auto"
+    torch.manual_seed(123)
+    HFLlama().model.save_pretrained(tmp_path / "llama")
+    cfg = dict(AUTO, model="lora_llama", layers=None, split=None, build="init_module", optimizer="sgd", lr=0.5,
+               pretrained=str(tmp_path / "llama"))  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
-    assert "FLOPs counted on meta" in job.output
+    assert "FLOPs counted on fake tensors" in job.output
     chosen = job.rank(0)["chosen"]
     assert job.rank(1)["chosen"] == chosen and job.rank(0)["meta_params"] == 0, chosen
     m = chosen["n_microbatches"]
-    ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})
-    assert_state_equal(job.state(), ref["state"], 1e-5)
+    ref = reference(**{**common(cfg), "batch": cfg["batch"] // m, "accumulate": m})["state"]
+    state = job.state()  # the adapters (the frozen base is left out of the checkpoint)
+    assert len(state) == 8 and all(".lora_" in k for k in state), sorted(state)
+    assert_state_equal(state, {k: ref[k] for k in state}, 1e-5)
 
 
 def test_a_rank_over_the_memory_limit_is_warned_of_beside_the_prediction(caplog):

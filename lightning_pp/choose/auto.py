@@ -52,7 +52,6 @@ from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import Forecast, PipelineOptions, memory_limit_bytes
 from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
 from lightning_pp.memory.allocator import return_free_memory
-from lightning_pp.memory.materialize import on_meta
 from lightning_pp.split.microbatch import batch_size_of
 
 log = logging.getLogger("lightning.pytorch.pipeline")
@@ -183,16 +182,16 @@ def _plan(
 
 def _model_costs(module: nn.Module, batch: Any, layers: str | None) -> tuple[ModelCosts, str]:
     """The model's costs, and where they come from: its own step measured on a copy of the batch (the sanity
-    check's is made under inference mode) on the rank's device, or its FLOPs counted on meta where there are no
+    check's is made under inference mode) on the rank's device, or its FLOPs counted without data where there are no
     weights to run (a meta build) or the weights are elsewhere and too large to bring (see ``_measured_here``)."""
     size, device = batch_size_of(batch), _device_of(batch)
     at, meta = next(module.parameters()).device, any(p.is_meta for p in module.parameters())
     held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
     if meta or not _measured_here(at, device, held, _free_bytes(device)):
         rate = matmul_rate(device, next(module.parameters()).dtype)
-        costs = _counted(module, batch, layers, profiled_sizes(size), rate)
+        costs = counted_costs(module, batch, layers, profiled_sizes(size), rate, device)
         why = "" if meta else f" (the module is on the {at.type}, too large to measure on {device})"
-        return costs, f"the first batch's FLOPs counted on meta{why} at {rate / 1e9:.0f} GFLOP/s"
+        return costs, f"the first batch's FLOPs counted on fake tensors{why} at {rate / 1e9:.0f} GFLOP/s"
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
     # moved outside inference mode (the sanity check's), or the weights would come back as inference tensors
     with (
@@ -204,14 +203,6 @@ def _model_costs(module: nn.Module, batch: Any, layers: str | None) -> tuple[Mod
         copy = tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, batch)
         costs = profile_module(module, copy, layers, profiled_sizes(size))
     return costs, "the first batch's costs" + ("" if at == device else f" (the module moved to {device} for it)")
-
-
-def _counted(module: nn.Module, batch: Any, layers: str | None, sizes: list[int], rate: float) -> ModelCosts:
-    """``counted_costs`` of a module on meta, or of one elsewhere through meta stand-ins of its tensors (nothing runs
-    on its weights, which stay as they are)."""
-    meta = any(p.is_meta for p in module.parameters())
-    with contextlib.nullcontext() if meta else on_meta(module):
-        return counted_costs(module, batch, layers, sizes, rate)
 
 
 def _measured_here(at: torch.device, device: torch.device, nbytes: int, free: int) -> bool:

@@ -16,10 +16,11 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 from lightning_pp.choose.machine import cache_path, write_cache
 from lightning_pp.choose.planner import ModelCosts
+from lightning_pp.memory.materialize import on_fake
 from lightning_pp.split.microbatch import batch_size_of, split_batch
 from lightning_pp.split.profiling import Segments, count_segments, measure_segments, sum_of_outputs
 from lightning_pp.split.stage import find_layers, patched, resolve_layers, without_kv_cache
@@ -41,18 +42,19 @@ def profile_module(module: L.LightningModule, batch: Any, layers: str | None, si
 
 
 def counted_costs(
-    module: L.LightningModule, batch: Any, layers: str | None, sizes: Sequence[int], rate: float
+    module: L.LightningModule, batch: Any, layers: str | None, sizes: Sequence[int], rate: float, device: torch.device
 ) -> ModelCosts:
-    """A module built on meta: the FLOPs of its own step counted on meta at micro-batches of ``sizes`` samples,
-    at ``rate`` FLOP/s (a matmul's on the rank's device; memory-bound work is missed); the optimizer costed as
-    Adam's state and no time."""
+    """A module built on meta, or one whose weights stay where they are: the FLOPs of its own step counted on fake
+    tensors at micro-batches of ``sizes`` samples, at ``rate`` FLOP/s (a matmul's on the rank's device; memory-bound
+    work is missed) as the code runs on ``device``; the optimizer costed as Adam's state and no time. Nothing runs on
+    the module's own tensors."""
     blocks = find_layers(module, resolve_layers(module, layers))
     full = batch_size_of(batch)
-    on_meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, batch)
     measured = []
-    with patched(module, log=lambda *_, **__: None), without_kv_cache(module):
+    with on_fake(module, device) as fake, patched(module, log=lambda *_, **__: None), without_kv_cache(module):
+        faked = fake(batch)
         for size in sorted(set(sizes)):
-            micro = split_batch(on_meta, full // size)[0]
+            micro = split_batch(faked, full // size)[0]
             step = functools.partial(module.training_step, micro, 0)
             measured.append(count_segments(module, blocks, step, size, rate))
     return ModelCosts(tuple(measured))

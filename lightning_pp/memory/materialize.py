@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
@@ -195,17 +196,6 @@ def on_meta(module: nn.Module) -> Iterator[Callable[[Any], Any]]:
     memory instead of failing. A forward that needs values (``.item()``, boolean masks,
     data-dependent shapes) fails here with the module and operation named.
     """
-    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
-    stand_ins: dict[int, torch.Tensor] = {}  # one per tensor, so that tied parameters stay tied
-    for m in module.modules():
-        for slots in (m._parameters, m._buffers):
-            for name, t in slots.items():
-                if t is not None and not t.is_meta:
-                    if id(t) not in stand_ins:
-                        meta = t.to("meta")
-                        stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-                    saved.append((slots, name, t))
-                    slots[name] = stand_ins[id(t)]
     running: list[str] = []  # the modules whose forward has started and not returned, innermost last
     names = {id(m): name for name, m in module.named_modules()}
 
@@ -220,7 +210,7 @@ def on_meta(module: nn.Module) -> Iterator[Callable[[Any], Any]]:
         nn.modules.module.register_module_forward_hook(returned),
     )
     try:
-        with torch.device("meta"):
+        with _stand_ins(module, lambda t: None if t.is_meta else _meta_copy(t)), torch.device("meta"):
             yield lambda tree: tree_map_only(torch.Tensor, lambda t: t.to("meta"), tree)
     except PipelineConfigError:
         raise
@@ -237,5 +227,46 @@ def on_meta(module: nn.Module) -> Iterator[Callable[[Any], Any]]:
     finally:
         for hook in hooks:
             hook.remove()
+
+
+@contextlib.contextmanager
+def on_fake(module: nn.Module, device: torch.device) -> Iterator[Callable[[Any], Any]]:
+    """Run code on ``module`` with every tensor a fake one on ``device`` (shapes, no data), inputs through the
+    returned converter: ``on_meta`` for code that must be told it is traced. Hugging Face's forward checks values
+    (packed sequences' positions, ``.item()``) unless its input is fake, and its MoE experts branch on the device
+    (``grouped_mm`` off the CPU, which a meta device takes and cannot run in float32)."""
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, FakeTensor):
+            return t
+        made = torch.empty_like(t, device=device)
+        return nn.Parameter(made, t.requires_grad) if isinstance(t, nn.Parameter) else made
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _stand_ins(module, fake), torch.device(device):
+        yield lambda tree: tree_map_only(torch.Tensor, fake, tree)
+
+
+def _meta_copy(t: torch.Tensor) -> torch.Tensor:
+    meta = t.to("meta")
+    return nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+
+
+@contextlib.contextmanager
+def _stand_ins(module: nn.Module, stand_in: Callable[[torch.Tensor], torch.Tensor | None]) -> Iterator[None]:
+    """Each parameter and buffer of ``module`` replaced by ``stand_in`` of it (None keeps it) for the block: one per
+    tensor, so that tied parameters stay tied."""
+    saved: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    made: dict[int, torch.Tensor | None] = {}
+    for m in module.modules():
+        for slots in (m._parameters, m._buffers):
+            for name, t in slots.items():
+                if t is not None and id(t) not in made:
+                    made[id(t)] = stand_in(t)
+                if t is not None and made[id(t)] is not None:
+                    saved.append((slots, name, t))
+                    slots[name] = made[id(t)]
+    try:
+        yield
+    finally:
         for slots, name, t in saved:
             slots[name] = t
