@@ -15,6 +15,7 @@ see, but timing needs each layer's real weights and inputs in turn.
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -85,8 +86,19 @@ def count_flops(
 
 def flops_of(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any]) -> Costs:
     """FLOPs of ``run_forward`` and its backward (on meta tensors) per layer and before and after them."""
-    with FlopCounterMode(display=False) as counter, torch.enable_grad():
+    with FlopCounterMode(display=False, custom_mapping=_FORMULAS) as counter, torch.enable_grad():
         return _timed_run(layers, run_forward, lambda: float(counter.get_total_flops())).costs()
+
+
+def _grouped_mm_flops(a: torch.Size, b: torch.Size, *_: Any, out_shape: torch.Size, **__: Any) -> int:
+    """The grouped matmul of transformers' MoE experts (``grouped_mm``, each token through its own experts), which
+    torch's counter leaves out: ``a``'s last dimension contracted for each output element; where both operands are
+    2-D (a weight gradient) the groups split that dimension, so they share it rather than each contracting all of it."""
+    groups = 1 if len(a) == len(b) == 2 else math.prod(out_shape[:-2])
+    return 2 * groups * out_shape[-2] * out_shape[-1] * a[-1]
+
+
+_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
 
 
 class _Clock:
@@ -317,7 +329,11 @@ def count_segments(
     """``measure_segments`` for a module (and batch) on meta: FLOPs of each segment's forward and backward at
     ``flops_per_s``, the backward's input and weight halves taken equal; saved bytes counted as they are."""
     meta = torch.device("meta")
-    with _untouched(module, meta), _SavedBytes(module, layers) as counted, FlopCounterMode(display=False) as counter:
+    with (
+        _untouched(module, meta),
+        _SavedBytes(module, layers) as counted,
+        FlopCounterMode(display=False, custom_mapping=_FORMULAS) as counter,
+    ):
         run = _timed_run(layers, run_step, lambda: float(counter.get_total_flops()))
     seconds = [tuple(f / flops_per_s for f in flops) for flops in (run.forward, run.backward)]
     half = tuple(b / 2 for b in seconds[1])
