@@ -135,16 +135,13 @@ def test_lora_on_a_moe_model_read_from_its_hub_layout_exports_merged_without_its
 def test_the_experts_flops_of_a_moe_model_built_on_meta_are_counted():
     # schedule="auto" (and balance="profile" on meta) costs such a model by its FLOPs: the experts' grouped_mm,
     # transformers' default, counts as batched_mm's matmuls of the same tokens and experts, which torch's counter
-    # knows; before, the experts counted nothing (a Qwen3-MoE layer: half its forward)
+    # knows; before, the experts counted nothing (a Qwen3-MoE layer: half its forward) and in float32 the count
+    # stopped (torch's grouped_mm without data takes bf16 only)
     batch = {"tokens": torch.zeros(8, 8, dtype=torch.long), "targets": torch.zeros(8, 8, dtype=torch.long)}
     counted = []
     for experts in (None, "batched_mm"):
-        torch.set_default_dtype(torch.bfloat16)  # torch's fake grouped_mm takes bf16 only, as CUDA's does
-        try:
-            with torch.device("meta"):
-                model = type("Qwen3MoE", (MOE_MODELS["qwen3_moe"],), {"experts": experts})(n_layers=2)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        with torch.device("meta"):
+            model = type("Qwen3MoE", (MOE_MODELS["qwen3_moe"],), {"experts": experts})(n_layers=2)
         assert model.model.config._experts_implementation == (experts or "grouped_mm")
         counted.append(counted_costs(model, batch, None, [8], 1e12, torch.device("cpu")).measured[0])
     assert counted[0].forward == counted[1].forward and counted[0].backward == counted[1].backward, counted

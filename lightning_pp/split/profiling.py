@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -86,7 +87,7 @@ def count_flops(
 
 def flops_of(layers: Mapping[str, nn.Module], run_forward: Callable[[], Any]) -> Costs:
     """FLOPs of ``run_forward`` and its backward (on meta tensors) per layer and before and after them."""
-    with FlopCounterMode(display=False, custom_mapping=_FORMULAS) as counter, torch.enable_grad():
+    with _flop_counter() as counter, torch.enable_grad():
         return _timed_run(layers, run_forward, lambda: float(counter.get_total_flops())).costs()
 
 
@@ -98,7 +99,23 @@ def _grouped_mm_flops(a: torch.Size, b: torch.Size, *_: Any, out_shape: torch.Si
     return 2 * groups * out_shape[-2] * out_shape[-1] * a[-1]
 
 
-_FORMULAS = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+@contextlib.contextmanager
+def _flop_counter() -> Iterator[FlopCounterMode]:
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops}) as counter:
+        with _GroupedInBf16():
+            yield counter
+
+
+class _GroupedInBf16(TorchDispatchMode):
+    """torch's grouped_mm without data (its meta kernel) takes bf16 only, CUDA's kernel's rule, while the CPU's runs
+    float32 too: counted, a grouped_mm of other dtypes runs in bf16 and hands back its own dtype (the same shapes and
+    FLOPs), so a float32 MoE model built on meta is costed as it will train."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+            a, b = (t.to(torch.bfloat16) for t in args[:2])
+            return func(a, b, *args[2:], **(kwargs or {})).to(args[0].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 class _Clock:
@@ -332,7 +349,7 @@ def count_segments(
     with (
         _untouched(module, meta),
         _SavedBytes(module, layers) as counted,
-        FlopCounterMode(display=False, custom_mapping=_FORMULAS) as counter,
+        _flop_counter() as counter,
     ):
         run = _timed_run(layers, run_step, lambda: float(counter.get_total_flops()))
     seconds = [tuple(f / flops_per_s for f in flops) for flops in (run.forward, run.backward)]
