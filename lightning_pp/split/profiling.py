@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -99,20 +100,36 @@ def _grouped_mm_flops(a: torch.Size, b: torch.Size, *_: Any, out_shape: torch.Si
     return 2 * groups * out_shape[-2] * out_shape[-1] * a[-1]
 
 
+def _no_data(t: torch.Tensor) -> bool:
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
+def _grouped_mm_backward_flops(a: torch.Size, b: torch.Size, *_: Any, **__: Any) -> int:
+    """transformers' fallback's backward (one op): the gradients of the input and of the weights, each as many FLOPs
+    as the forward."""
+    return 4 * a[0] * a[1] * b[-1]
+
+
 @contextlib.contextmanager
 def _flop_counter() -> Iterator[FlopCounterMode]:
-    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten._grouped_mm: _grouped_mm_flops}) as counter:
-        with _GroupedInBf16():
-            yield counter
+    """torch's FLOP counter, counting MoE experts' grouped matmuls too: torch's, and in a trace (torch.export of a
+    float32 model) transformers' ``grouped_mm_fallback`` custom ops, which the counter cannot see into."""
+    formulas = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+    fallback = torch.ops.transformers  # a namespace of ops transformers registers when its MoE code is imported
+    if hasattr(fallback, "grouped_mm_fallback") and hasattr(fallback, "grouped_mm_fallback_backward"):
+        formulas[fallback.grouped_mm_fallback] = _grouped_mm_flops
+        formulas[fallback.grouped_mm_fallback_backward] = _grouped_mm_backward_flops
+    with FlopCounterMode(display=False, custom_mapping=formulas) as counter, _GroupedInBf16():
+        yield counter
 
 
 class _GroupedInBf16(TorchDispatchMode):
     """torch's grouped_mm without data (its meta kernel) takes bf16 only, CUDA's kernel's rule, while the CPU's runs
-    float32 too: counted, a grouped_mm of other dtypes runs in bf16 and hands back its own dtype (the same shapes and
-    FLOPs), so a float32 MoE model built on meta is costed as it will train."""
+    float32 too: counted without data, a grouped_mm of other dtypes runs in bf16 and hands back its own dtype (the
+    same shapes and FLOPs), so a float32 MoE model built on meta is costed as it will train."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and _no_data(args[0]):
             a, b = (t.to(torch.bfloat16) for t in args[:2])
             return func(a, b, *args[2:], **(kwargs or {})).to(args[0].dtype)
         return func(*args, **(kwargs or {}))
