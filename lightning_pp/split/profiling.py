@@ -100,10 +100,6 @@ def _grouped_mm_flops(a: torch.Size, b: torch.Size, *_: Any, out_shape: torch.Si
     return 2 * groups * out_shape[-2] * out_shape[-1] * a[-1]
 
 
-def _no_data(t: torch.Tensor) -> bool:
-    return t.is_meta or isinstance(t, FakeTensor)
-
-
 def _grouped_mm_backward_flops(a: torch.Size, b: torch.Size, *_: Any, **__: Any) -> int:
     """transformers' fallback's backward (one op): the gradients of the input and of the weights, each as many FLOPs
     as the forward."""
@@ -133,6 +129,10 @@ class _GroupedInBf16(TorchDispatchMode):
             a, b = (t.to(torch.bfloat16) for t in args[:2])
             return func(a, b, *args[2:], **(kwargs or {})).to(args[0].dtype)
         return func(*args, **(kwargs or {}))
+
+
+def _no_data(t: torch.Tensor) -> bool:
+    return t.is_meta or isinstance(t, FakeTensor)
 
 
 class _Clock:
@@ -360,8 +360,9 @@ def measure_segments(
 def count_segments(
     module: nn.Module, layers: Mapping[str, nn.Module], run_step: Callable[[], Any], size: int, flops_per_s: float
 ) -> Segments:
-    """``measure_segments`` for a module (and batch) on meta: FLOPs of each segment's forward and backward at
-    ``flops_per_s``, the backward's input and weight halves taken equal; saved bytes counted as they are."""
+    """``measure_segments`` for a module (and batch) without data (meta or fake tensors): FLOPs of each segment's
+    forward and backward at ``flops_per_s``, the backward's input and weight halves taken equal; saved bytes counted
+    as they are."""
     meta = torch.device("meta")
     with (
         _untouched(module, meta),
