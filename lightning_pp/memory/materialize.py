@@ -77,6 +77,11 @@ def has_meta_tensors(module: nn.Module) -> bool:
     return any(t.is_meta for t in _own_tensors(module, recurse=True))
 
 
+def without_data(t: torch.Tensor) -> bool:
+    """A tensor of shapes only: on meta, or fake (a trace's, or ``on_fake``'s)."""
+    return t.is_meta or isinstance(t, FakeTensor)
+
+
 def _own_tensors(module: nn.Module, recurse: bool = False) -> Iterator[torch.Tensor]:
     yield from module.parameters(recurse=recurse)
     yield from (b for b in module.buffers(recurse=recurse) if b is not None)
@@ -262,7 +267,7 @@ def _stand_ins(module: nn.Module, stand_in: Callable[[torch.Tensor], torch.Tenso
             for name, t in slots.items():
                 if t is not None and id(t) not in made:
                     made[id(t)] = stand_in(t)
-                if t is not None and made[id(t)] is not None:
+                if made.get(id(t)) is not None:
                     saved.append((slots, name, t))
                     slots[name] = made[id(t)]
     try:

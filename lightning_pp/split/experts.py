@@ -24,11 +24,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx, nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.memory.materialize import without_data
 from lightning_pp.split.stage import get_path
 
 
@@ -97,7 +97,7 @@ def is_routed(p: torch.Tensor) -> bool:
 
 def _forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
     weights = [p for _, p in self.named_parameters(recurse=False)]
-    if hidden.is_meta or isinstance(hidden, FakeTensor):
+    if without_data(hidden):
         return _routed_op(hidden, top_k_index, top_k_weights, weights, self._routed_path)
     if not isinstance(weights[0], DTensor):  # not sharded yet: the placement's forward on the CPU
         return type(self).forward(self, hidden, top_k_index, top_k_weights)

@@ -26,12 +26,12 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+from lightning_pp.memory.materialize import without_data
 from lightning_pp.split.partition import Costs
 from lightning_pp.split.pruned import sendable
 
@@ -125,14 +125,10 @@ class _GroupedInBf16(TorchDispatchMode):
     same shapes and FLOPs), so a float32 MoE model built on meta is costed as it will train."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and _no_data(args[0]):
+        if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16 and without_data(args[0]):
             a, b = (t.to(torch.bfloat16) for t in args[:2])
             return func(a, b, *args[2:], **(kwargs or {})).to(args[0].dtype)
         return func(*args, **(kwargs or {}))
-
-
-def _no_data(t: torch.Tensor) -> bool:
-    return t.is_meta or isinstance(t, FakeTensor)
 
 
 class _Clock:
