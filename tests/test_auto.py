@@ -10,7 +10,7 @@ import re
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFOPT, MOE, HFLlama, LoraLlama, TinyGPT
+from models import HFOPT, MOE, HFLlama, HFMoEEager, LoraLlama, TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal, combined
 
@@ -208,6 +208,17 @@ def test_hf_models_built_on_meta_are_costed_by_their_flops(model):
     counted = counted_costs(built, batch, None, [1, 4], 1e12, torch.device("cpu"))
     assert counted == counted_costs(eager, batch, None, [1, 4], 1e12, torch.device("cpu"))
     assert all(f > 0 for f in counted.measured[1].forward[1:4]), counted.measured[1]
+
+
+def test_a_step_that_asks_values_cannot_be_costed_without_data_and_says_what_to_change():
+    # transformers' eager experts loop over the experts hit (nonzero): fake tensors have no values to ask, and the
+    # error was torch's own ("DynamicOutputShapeException: aten.nonzero.default")
+    batch = {"tokens": torch.zeros(4, 8, dtype=torch.long), "targets": torch.zeros(4, 8, dtype=torch.long)}
+    with torch.device("meta"):
+        built = HFMoEEager(n_layers=2)
+    said = r"HFMoEEager's step asks its tensors' values \(aten.nonzero.default\), .* experts_implementation='eager'"
+    with pytest.raises(PipelineConfigError, match=said + r".*'grouped_mm'.*'batched_mm'"):
+        counted_costs(built, batch, None, [1, 4], 1e12, torch.device("cpu"))
 
 
 def test_auto_costs_a_lora_model_built_on_meta_in_flops_and_trains_as_one_process(tmp_path, reference):

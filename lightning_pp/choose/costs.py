@@ -16,11 +16,14 @@ from typing import Any
 import lightning as L
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.utils._pytree import tree_flatten
 
 from lightning_pp.choose.machine import cache_path, write_cache
 from lightning_pp.choose.planner import ModelCosts
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.memory.materialize import on_fake
+from lightning_pp.split.experts import eager_experts_fix
 from lightning_pp.split.microbatch import batch_size_of, split_batch
 from lightning_pp.split.profiling import Segments, count_segments, measure_segments, sum_of_outputs
 from lightning_pp.split.stage import find_layers, patched, resolve_layers, without_kv_cache
@@ -51,12 +54,19 @@ def counted_costs(
     blocks = find_layers(module, resolve_layers(module, layers))
     full = batch_size_of(batch)
     measured = []
-    with on_fake(module, device) as fake, patched(module, log=lambda *_, **__: None), without_kv_cache(module):
-        faked = fake(batch)
-        for size in sorted(set(sizes)):
-            micro = split_batch(faked, full // size)[0]
-            step = functools.partial(module.training_step, micro, 0)
-            measured.append(count_segments(module, blocks, step, size, rate))
+    try:
+        with on_fake(module, device) as fake, patched(module, log=lambda *_, **__: None), without_kv_cache(module):
+            faked = fake(batch)
+            for size in sorted(set(sizes)):
+                micro = split_batch(faked, full // size)[0]
+                step = functools.partial(module.training_step, micro, 0)
+                measured.append(count_segments(module, blocks, step, size, rate))
+    except (DataDependentOutputException, DynamicOutputShapeException) as error:
+        fix = eager_experts_fix(module)
+        raise PipelineConfigError(
+            f"{type(module).__name__}'s step asks its tensors' values ({error}), which a model costed by its FLOPs"
+            f" (built on meta, or too large to measure on {device}) does not have{'. ' + fix if fix else ''}"
+        ) from error
     return ModelCosts(tuple(measured))
 
 

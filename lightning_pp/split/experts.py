@@ -49,6 +49,26 @@ def is_experts(module: nn.Module) -> bool:
     return hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int)
 
 
+def eager_experts_fix(model: nn.Module) -> str:
+    """What to change when the model's experts run transformers' ``experts_implementation="eager"``: a Python
+    loop over the experts that tokens were routed to (``nonzero``), whose length only the data decides, so neither
+    a trace nor tensors without data can run it. transformers' own implementations of the same arithmetic,
+    ``"grouped_mm"`` (its default) and ``"batched_mm"``, have no such loop. Empty where no experts run eagerly."""
+    eager = [
+        name
+        for name, module in model.named_modules()
+        if is_experts(module) and getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
+    ]
+    if not eager:
+        return ""
+    return (
+        f"Its experts ({eager[0]}{f' and {len(eager) - 1} more' if len(eager) > 1 else ''}) run"
+        " experts_implementation='eager', a loop over the experts each batch routes tokens to, which only the data"
+        " decides: build or load the model with experts_implementation='grouped_mm' (transformers' default) or"
+        " 'batched_mm' (`from_pretrained(..., experts_implementation='grouped_mm')`)"
+    )
+
+
 def route_experts(module: nn.Module, size: int) -> list[str]:
     """Every experts module of ``module`` dispatches its tokens over ``size`` ranks once its parameters are
     sharded (:func:`shard_experts`); before that (the placement's forward) it runs as it did. Returns their names.

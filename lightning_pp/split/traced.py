@@ -39,7 +39,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
-from lightning_pp.split.experts import ROUTED_OP, call_routed, is_experts
+from lightning_pp.split.experts import ROUTED_OP, call_routed, eager_experts_fix
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
@@ -295,36 +295,16 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
             cause = inner if str(inner).strip() else cause  # type: ignore[assignment]
             inner = inner.__cause__
         reason = (str(cause).strip().splitlines() or [""])[0]
-        fix = _eager_experts_fix(skeleton)
+        fix = eager_experts_fix(skeleton)
         raise PipelineConfigError(
             f"split='trace' cannot trace and split {name} with torch.distributed.pipelining ({type(cause).__name__}:"
-            f" {reason}). {fix + ' or use' if fix else 'Use'} {_ALTERNATIVES}."
+            f" {reason}). {fix + ', which trace, or use' if fix else 'Use'} {_ALTERNATIVES}."
         ) from error
     finally:
         hook.remove()
         for point in split_points:  # pipeline() wraps the split modules' forward
             skeleton.get_submodule(point).__dict__.pop("forward", None)
     return trace
-
-
-def _eager_experts_fix(model: nn.Module) -> str:
-    """What to change when the model's MoE experts run transformers' ``experts_implementation="eager"``: a
-    Python loop over the experts that tokens were routed to (``nonzero``), whose length depends on the data, so
-    no trace records it. transformers' own implementations of the same arithmetic, ``"grouped_mm"`` (its
-    default) and ``"batched_mm"``, have no such loop and trace."""
-    eager = [
-        name
-        for name, module in model.named_modules()
-        if is_experts(module) and getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager"
-    ]
-    if not eager:
-        return ""
-    return (
-        f"Its experts ({eager[0]}{f' and {len(eager) - 1} more' if len(eager) > 1 else ''}) run"
-        " experts_implementation='eager', a loop over the experts each batch routes tokens to, which no trace"
-        " records: build or load the model with experts_implementation='grouped_mm' (transformers' default) or"
-        " 'batched_mm' (`from_pretrained(..., experts_implementation='grouped_mm')`), which trace,"
-    )
 
 
 def _wiring(graph: fx.Graph) -> tuple[list[list[tuple[str, Any]]], list[list[_Key]], list[_Key]]:
