@@ -785,17 +785,23 @@ class HFMoERouterMasked(HFMoERouter):
 
 
 class LoraMoE(HFMoE):
-    """Qwen3-MoE wrapped by ``peft.get_peft_model``: LoRA on ``q_proj``/``v_proj``, the experts frozen (layers at
-    ``model.base_model.model.model.layers``)."""
+    """Qwen3-MoE wrapped by ``peft.get_peft_model``: LoRA on ``q_proj``/``v_proj`` and on the experts' stacked
+    weights (peft's ``target_parameters``: its ``ParamWrapper`` adds the product to each weight during the experts'
+    forward, the two nested), the rest frozen (layers at ``model.base_model.model.model.layers``)."""
 
     family = "qwen3_moe"
+    LORA = dict(
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    )
 
     def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
         super().__init__(n_layers, lr, optimizer)
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-        self.model = get_peft_model(self.model, config)
+        self.model = get_peft_model(self.model, LoraConfig(**self.LORA))
 
 
 class BlockCompiledGPT(TinyGPT):

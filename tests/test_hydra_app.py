@@ -166,21 +166,23 @@ def test_hf_gpt2_trains_through_the_app_split_by_the_tracer(tmp_path):
 
 
 def test_lora_trains_only_the_adapters_through_the_app(tmp_path):
-    # peft=lora: the app's HF Llama wrapped by get_peft_model, built on meta; its layers=model.model.layers resolved
+    # peft=lora: the app's HF Qwen3-MoE wrapped by get_peft_model, built on meta, LoRA on the attention and on the
+    # experts' stacked weights (peft.target_parameters); its layers=model.model.layers resolved
     run_dir = tmp_path / "run"
-    proc = app([*QUICK, "model=llama_tiny", "peft=lora", "trainer.limit_train_batches=4", f"hydra.run.dir={run_dir}"],
-               tmp_path)  # fmt: skip
+    experts = "peft.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
+    lora = ["model=qwen3_moe_tiny", "peft=lora", experts]
+    proc = app([*QUICK, *lora, "trainer.limit_train_batches=4", f"hydra.run.dir={run_dir}"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layers='model.model.layers' resolved to 'model.base_model.model.model.layers' (inside a peft model)" in (
         proc.stdout + proc.stderr
     )
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
-    cfg = compose_app("model=llama_tiny", "peft=lora")
+    cfg = compose_app(*lora)
     with empty_weights():  # the start every rank materialised its stage from (the name rule, seed 0)
         initial = materialize(instantiate(cfg.model), seed=0).state_dict()
     assert state.keys() == initial.keys()
-    adapters = [k for k in state if ".lora_" in k]
-    assert len(adapters) == 16 and all(not torch.equal(state[k], initial[k]) for k in adapters)
+    adapters = [k for k in state if ".lora_" in k]  # q_proj, v_proj and the two experts' stacks of 4 layers
+    assert len(adapters) == 32 and all(not torch.equal(state[k], initial[k]) for k in adapters)
     assert all(torch.equal(state[k], initial[k]) for k in state if k not in adapters)
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ok, run_job
 from models import MOE as MOE_MODELS
+from models import LoraMoE
 from test_frozen import _micro
 from test_parity import common
 from test_tied import assert_state_equal, combined
@@ -97,11 +98,16 @@ def test_experts_sharded_over_replicas_train_as_one_process_and_checkpoint_in_it
     _close(_losses(other.rank(0)["logged"])[-2:], _losses(one["logged"])[-2:])
 
 
-def test_lora_on_a_moe_model_read_from_its_hub_layout_exports_merged_without_its_base(tmp_path, reference):
+def test_lora_on_a_moe_models_attention_and_experts_read_from_its_hub_layout_exports_both_ways_without_its_base(
+    tmp_path, reference
+):
     # Qwen3-MoE saved as the Hub holds it (one tensor per expert), built on meta and read by init_weights, LoRA on
-    # the attention under ZBV; the checkpoint leaves the frozen base (experts included) out, and the merged export
-    # reads it back through transformers' conversion. SGD: Qwen3's per-head q_norm leaves q_proj's adapter
-    # gradients near zero along some directions, where AdamW turns rounding (1e-9) into steps (1e-5, 1 seed in 12)
+    # the attention and on the experts' stacked weights (peft's target_parameters: its ParamWrapper, which no trace
+    # on meta recorded, "unsupported scalarType", runs eagerly inside each rank's traced pieces) under ZBV; the
+    # checkpoint leaves the frozen base (experts included) out, and the merged export reads it back through
+    # transformers' conversion. SGD: Qwen3's per-head q_norm leaves q_proj's adapter gradients near zero along some
+    # directions, where AdamW turns rounding (1e-9) into steps (1e-5, 1 seed in 12)
+    from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)  # the saved weights, whatever ran before
@@ -113,23 +119,62 @@ def test_lora_on_a_moe_model_read_from_its_hub_layout_exports_merged_without_its
     ref = reference(**_micro(cfg))
     saved = job.state()
     assert saved and all(".lora_" in k for k in saved)  # the base left out
+    experts = [k for k in saved if ".mlp.experts." in k and ".lora_B." in k]
+    assert len(experts) == 8 and all(saved[k].abs().max() > 0 for k in experts), experts  # both weights, trained
     assert_state_equal(saved, {k: v for k, v in ref["state"].items() if k in saved}, PARAM_TOL)
-    out = tmp_path / "merged"
-    proc = subprocess.run([sys.executable, "-m", "lightning_pp.consolidate", str(job.out / "final.ckpt"), str(out),
-                           "--format", "hf"], capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    merged, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    ckpt = str(job.out / "final.ckpt")
+    for form in ("hf", "peft"):
+        command = ["-m", "lightning_pp.consolidate", ckpt, str(tmp_path / form), "--format", form]
+        proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    one = MOE_MODELS["qwen3_moe"](n_layers=4)
-    one.model = AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3_moe")
-    from peft import LoraConfig, get_peft_model
+    one = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3_moe"), LoraConfig(**LoraMoE.LORA))
+    one.load_state_dict({k[len("model.") :]: v for k, v in saved.items()}, strict=False)
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "qwen3_moe"), tmp_path / "peft")
+    tokens = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        assert (adapted(input_ids=tokens).logits - one(input_ids=tokens).logits).abs().max() < 1e-5
+    assert_state_equal(merged.state_dict(), one.merge_and_unload().state_dict(), 1e-6)
 
-    peft = get_peft_model(
-        one.model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
-    )
-    peft.load_state_dict({k[len("model.") :]: v for k, v in saved.items()}, strict=False)
-    want = peft.merge_and_unload().state_dict()
-    assert_state_equal(merged.state_dict(), want, 1e-6)
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_lora_on_stacked_experts_merges_as_peft_merges_it(family):
+    # peft's ParamWrapper cuts each expert's A and B from two matrices of rank x experts; Qwen3-MoE keeps its stacks
+    # (experts, out, in), gpt-oss (experts, in, out). The names do not say which parameter each nested wrapper
+    # adapts: the checkpoint records it
+    from lightning_pp.checkpoints.adapters import parameter_wrappers
+    from lightning_pp.checkpoints.export_peft import lora_merges, record_adapters, recorded_sites
+
+    torch.manual_seed(0)
+    module = type("Lora", (LoraMoE,), {"family": family})(n_layers=2)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if ".lora_" in name:
+                p.normal_()
+    state = {k: v.clone() for k, v in module.state_dict().items()}  # peft merges into the module's own
+    export = {"adapters": record_adapters(module), "wrapped": parameter_wrappers(module)}
+    site = recorded_sites(export)[0]
+    merges = lora_merges(state, site, "default", export["wrapped"])
+    assert sum(m.experts == 4 for m in merges.values()) == 4, merges  # two stacks in each of 2 layers
+    want = module.model.merge_and_unload().state_dict()
+    got = {site.base_key(n): merges[n].apply(state) if n in merges else t for n, t in state.items() if site.base_key(n)}
+    assert_state_equal(got, want, 1e-5)
+
+
+def test_lora_on_the_experts_weights_is_refused_where_it_cannot_run():
+    # experts split over replicas: peft adds the whole stack's product to each rank's part; compile=True: dynamo
+    # recompiled peft's per-call parametrization for each layer until its limit, then ran eagerly (unseen)
+    from lightning_pp.errors import PipelineConfigError
+    from lightning_pp.split.experts import route_experts
+    from lightning_pp.split.planning import check_module
+
+    model, layers = LoraMoE(n_layers=2), "model.base_model.model.model.layers"
+    with pytest.raises(PipelineConfigError, match=r"expert_parallel_size=2 with LoRA on the experts' own weights"):
+        route_experts(model, 2)
+    with pytest.raises(PipelineConfigError, match=r"compile=True with LoRA on the experts' own weights.*layers\.0"):
+        check_module(model, layers, None, 2, {})
+    check_module(model, layers, None, 2)
 
 
 def test_the_experts_flops_of_a_moe_model_built_on_meta_are_counted():

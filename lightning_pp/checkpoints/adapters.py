@@ -10,6 +10,7 @@ names under ``base_model.model.``, without the adapter's name). Every conversion
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -22,6 +23,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _BASE_LAYER = ".base_layer"
 _ORIGINAL = ".original_module"  # in peft's ModulesToSaveWrapper: the module it wraps, frozen
 _COPIES = ".modules_to_save"  # and each adapter's trained copy of it, at modules_to_save.<adapter>
+# peft's steps into the module it wraps; LoRA on two parameters of one module nests two (experts.base_layer.base_layer)
+_WRAPPED = re.compile(rf"(?:{re.escape(_BASE_LAYER)}|{re.escape(_ORIGINAL)})+\.")
 
 
 @dataclass(frozen=True)
@@ -41,7 +44,7 @@ class AdapterSite:
         rest = name[len(self.prefix) :]
         if self.is_copy(name):
             rest = rest.replace(f"{_COPIES}.{self.adapter_of(name)}.", ".", 1)
-        return rest.replace(_BASE_LAYER + ".", ".").replace(_ORIGINAL + ".", ".")
+        return _WRAPPED.sub(".", rest)
 
     def adapter_of(self, name: str) -> Optional[str]:
         """The adapter a tensor belongs to (``"default"``): LoRA's tensors and the adapter's ``modules_to_save``
@@ -85,6 +88,27 @@ def adapter_sites(module: nn.Module) -> list[AdapterSite]:
         else:
             sites.append(AdapterSite(holder, dict(configs), holder))
     return sites
+
+
+def parameter_wrappers(module: nn.Module) -> dict[str, dict[str, Any]]:
+    """peft's LoRA on parameters rather than modules (``target_parameters``, its ``ParamWrapper``: an MoE's stacked
+    experts weights), by the wrapper's name: the tensor it adapts (nested wrappers, one per parameter of a module,
+    step down ``.base_layer`` to it), its experts (the first dimension of a 3-d stack; 1 for a matrix) and whether
+    peft swapped in and out (a stack stored (experts, out, in)). The merged export cannot tell these from names."""
+    found: dict[str, dict[str, Any]] = {}
+    for name, m in _named_modules(module):
+        parameter = getattr(m, "parameter_name", None)
+        if not isinstance(parameter, str) or not hasattr(m, "lora_A"):
+            continue
+        base, path = m.base_layer, f"{name}.base_layer"
+        while hasattr(base, "parameter_name"):
+            base, path = base.base_layer, f"{path}.base_layer"
+        found[name] = {
+            "weight": f"{path}.{parameter}",
+            "experts": int(m.num_experts),
+            "swapped": bool(m._did_swap_in_out_features),
+        }
+    return found
 
 
 def site_of(sites: list[AdapterSite], name: str) -> Optional[AdapterSite]:

@@ -21,7 +21,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_pp.checkpoints.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterSite, site_of
+from lightning_pp.checkpoints.adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterSite,
+    parameter_wrappers,
+    site_of,
+)
 from lightning_pp.checkpoints.export_peft import (
     LoraMerge,
     adapter_config,
@@ -44,16 +50,21 @@ Reader = Callable[[list[str]], dict[str, torch.Tensor]]  # names -> those tensor
 
 
 def export_names(
-    module: nn.Module, weights: WeightMap | None, trainable: set[str] | frozenset[str] | None = None
+    module: nn.Module,
+    weights: WeightMap | None,
+    trainable: set[str] | frozenset[str] | None = None,
+    wrapped: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint keeps for the exports: the names weights came in with, the names of the tensors the run
-    trains (``trainable``, else the module's own that require grad), its peft adapters, the HF model's config."""
+    trains (``trainable``, else the module's own that require grad), its peft adapters and what peft's parameter
+    wrappers adapt (``wrapped``, else the module's own), the HF model's config."""
     if trainable is None:
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}
     found: dict[str, Any] = {
         "keys": dict(weights.keys) if weights is not None else {},
         "trainable": sorted(trainable),
         "adapters": record_adapters(module),
+        "wrapped": dict(wrapped) if wrapped is not None else parameter_wrappers(module),
     }
     modeling = sys.modules.get("transformers.modeling_utils")  # imported where a module holds an HF model
     if modeling is not None:
@@ -77,7 +88,7 @@ def export_hf(src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30, adapter: s
     """
     export, state, read = _open(src)
     sites = recorded_sites(export)
-    merges = _merges(state, sites, adapter)
+    merges = _merges(state, sites, adapter, export.get("wrapped", {}))
     names, left_out = _hf_names(list(state), export, sites, adapter)
     merged = {n for m in merges.values() for n in (m.a, m.b)}
     left_out = [n for n in left_out if n not in merged]
@@ -151,10 +162,12 @@ def _frozen_base(
     return {n: export["keys"][n] for n in left_out}, open_pretrained(path, model_of_directory(path))
 
 
-def _merges(state: Mapping[str, torch.Tensor], sites: list[AdapterSite], adapter: str) -> dict[str, LoraMerge]:
+def _merges(
+    state: Mapping[str, torch.Tensor], sites: list[AdapterSite], adapter: str, wrapped: Mapping[str, Any]
+) -> dict[str, LoraMerge]:
     """``adapter``'s LoRA merges over every site that has it (none for a run without adapters)."""
     having = _having(sites, adapter) if sites else []
-    return {w: m for s in having for w, m in lora_merges(state, s, adapter).items()}
+    return {w: m for s in having for w, m in lora_merges(state, s, adapter, wrapped).items()}
 
 
 def _having(sites: list[AdapterSite], adapter: str) -> list[AdapterSite]:

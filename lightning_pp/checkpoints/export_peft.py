@@ -33,7 +33,7 @@ _MERGE_NEUTRAL = frozenset(
         "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha", "lora_dropout", "fan_in_fan_out",
         "bias", "use_rslora", "init_lora_weights", "layers_to_transform", "layers_pattern", "rank_pattern",
         "alpha_pattern", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
-        "qalora_group_size", "ensure_weight_tying", "modules_to_save",
+        "qalora_group_size", "ensure_weight_tying", "modules_to_save", "target_parameters",
     }
 )  # fmt: skip
 
@@ -71,17 +71,28 @@ class LoraMerge:
     b: str
     scaling: float
     fan_in_fan_out: bool
+    experts: int = 0  # a ParamWrapper's 3-d stack of this many experts' matrices (target_parameters), else 0
+    swapped: bool = False  # and stored (experts, out, in)
 
     def apply(self, tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """``W + scaling * (B @ A)`` (transposed under ``fan_in_fan_out``), in float32, back in ``W``'s dtype."""
-        w = tensors[self.weight]
-        delta = tensors[self.b].float() @ tensors[self.a].float()
+        """``W + scaling * (B @ A)`` (transposed under ``fan_in_fan_out``), in float32, back in ``W``'s dtype; for
+        a stack of experts, each expert's ``B_e @ A_e`` from its rank-sized slices, as peft's
+        ``ParamWrapper.get_delta_weight`` cuts them (A's rows expert-major, B's columns rank-major)."""
+        w, a, b = tensors[self.weight], tensors[self.a].float(), tensors[self.b].float()
+        if self.experts:
+            a, b = a.reshape(self.experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, self.experts)
+            delta = torch.einsum("ore,eri->eoi" if self.swapped else "ore,eri->eio", b, a)
+        else:
+            delta = b @ a
         return (w.float() + self.scaling * (delta.T if self.fan_in_fan_out else delta)).to(w.dtype)
 
 
-def lora_merges(state: Mapping[str, torch.Tensor], site: AdapterSite, adapter: str) -> dict[str, LoraMerge]:
-    """Every weight ``adapter`` adapts in ``site`` (keyed by the base weight's module name); refuses what peft's
-    plain LoRA merge does not cover."""
+def lora_merges(
+    state: Mapping[str, torch.Tensor], site: AdapterSite, adapter: str, wrapped: Mapping[str, Any]
+) -> dict[str, LoraMerge]:
+    """Every weight ``adapter`` adapts in ``site`` (keyed by the base weight's module name; ``wrapped``: what each of
+    peft's parameter wrappers adapts, see ``parameter_wrappers``); refuses what peft's plain LoRA merge does not
+    cover."""
     config = site.configs[adapter]
     if config.get("peft_type") != "LORA":
         raise PipelineConfigError(
@@ -106,7 +117,8 @@ def lora_merges(state: Mapping[str, torch.Tensor], site: AdapterSite, adapter: s
                     " Export it with --format peft."
                 )
             pairs.setdefault(module, {})[kind] = name
-    return {f"{m}.base_layer.weight": _merge(state, site, adapter, m, p) for m, p in pairs.items()}
+    merges = [_merge(state, site, adapter, m, p, wrapped.get(m)) for m, p in pairs.items()]
+    return {merge.weight: merge for merge in merges}
 
 
 def check_kept(trainable: Iterable[str], lost: Iterable[str], how: str) -> None:
@@ -118,30 +130,41 @@ def check_kept(trainable: Iterable[str], lost: Iterable[str], how: str) -> None:
 
 
 def _merge(
-    state: Mapping[str, torch.Tensor], site: AdapterSite, adapter: str, module: str, pair: dict[str, str]
+    state: Mapping[str, torch.Tensor],
+    site: AdapterSite,
+    adapter: str,
+    module: str,
+    pair: dict[str, str],
+    wrapper: Mapping[str, Any] | None,
 ) -> LoraMerge:
     from peft.utils.other import get_pattern_key
 
-    weight, config = f"{module}.base_layer.weight", site.configs[adapter]
+    weight, config = wrapper["weight"] if wrapper else f"{module}.base_layer.weight", site.configs[adapter]
     if set(pair) != {"lora_A", "lora_B"} or weight not in state:
         raise PipelineConfigError(
             f"cannot merge adapter {adapter!r} at {module}: the checkpoint lacks"
             f" {', '.join(sorted({'lora_A', 'lora_B'} - set(pair))) or weight}."
         )
     a, b, w = state[pair["lora_A"]], state[pair["lora_B"]], state[weight]
-    product = (b.shape[0], a.shape[-1])
-    if a.dim() != 2 or b.dim() != 2 or tuple(w.shape) != (product[::-1] if config["fan_in_fan_out"] else product):
+    experts = wrapper["experts"] if wrapper and w.dim() == 3 else 0
+    swapped = bool(wrapper and wrapper["swapped"])
+    if experts:  # peft's in and out are the stack's last two dimensions, swapped where it keeps (out, in)
+        product = (experts, b.shape[0], a.shape[-1]) if swapped else (experts, a.shape[-1], b.shape[0])
+    else:
+        product = (b.shape[0], a.shape[-1])[:: -1 if config["fan_in_fan_out"] else 1]
+    if a.dim() != 2 or b.dim() != 2 or tuple(w.shape) != product:
         raise PipelineConfigError(
             f"cannot merge adapter {adapter!r} at {module}: lora_A {list(a.shape)}, lora_B {list(b.shape)} and the"
-            f" base weight {list(w.shape)} are not a Linear's LoRA. Export it with --format peft."
+            f" base weight {list(w.shape)} are not a LoRA of a Linear or of a stack of experts. Export it with"
+            " --format peft."
         )
     key = module[len(site.prefix) :]  # as peft matched it in the base model
     rank = config["rank_pattern"].get(get_pattern_key(config["rank_pattern"].keys(), key), config["r"])
     alpha = config["alpha_pattern"].get(get_pattern_key(config["alpha_pattern"].keys(), key), config["lora_alpha"])
-    if rank != a.shape[0]:
+    if rank * max(experts, 1) != a.shape[0]:
         raise PipelineConfigError(f"adapter {adapter!r} at {module}: lora_A has rank {a.shape[0]}, its config {rank}.")
     scaling = alpha / math.sqrt(rank) if config["use_rslora"] else alpha / rank
-    return LoraMerge(weight, pair["lora_A"], pair["lora_B"], scaling, bool(config["fan_in_fan_out"]))
+    return LoraMerge(weight, pair["lora_A"], pair["lora_B"], scaling, bool(config["fan_in_fan_out"]), experts, swapped)
 
 
 def _jsonable(value: Any) -> Any:

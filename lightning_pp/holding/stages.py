@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from lightning_pp.checkpoints.adapter_weights import open_adapter
+from lightning_pp.checkpoints.adapters import parameter_wrappers
 from lightning_pp.checkpoints.export import EXPORT_KEY, export_names
 from lightning_pp.checkpoints.formats import (
     OptimizerLayout,
@@ -52,6 +53,7 @@ class Holding:
     sharded: bool = False
     state_keys: list[str] = field(default_factory=list)  # the whole module's, in one-process order
     trainable: frozenset[str] = frozenset()  # the whole module's parameters that require grad, seen before pruning
+    wrapped: dict[str, Any] | None = None  # what peft's parameter wrappers of the whole module adapt, seen so too
     pretrained: tuple[Pretrained, WeightMap] | None = None  # init_weights, its names matched at setup
     adapter: tuple[Pretrained, WeightMap] | None = None  # init_adapter, checked at setup
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
@@ -86,6 +88,7 @@ class Holding:
         if fitting and not self.pruned:
             self.state_keys = list(module.state_dict().keys())
             self.trainable = frozenset(n for n, p in module.named_parameters() if p.requires_grad)
+            self.wrapped = parameter_wrappers(module)
             prune_to_stages(module, placement, stages)
             guard_forwards(module, placement, stages, model_entries(module, placement.layers_path).values())
             local_ids = {id(p) for p in module.parameters()}
@@ -137,7 +140,8 @@ class Holding:
         """What a checkpoint keeps for ``consolidate``: the names the weights came in with, what trained
         (other stages' parameters as seen before pruning, this rank's as they are now)."""
         trainable = self.trainable | {n for n, p in module.named_parameters() if p.requires_grad}
-        return export_names(module, self.pretrained[1] if self.pretrained is not None else None, trainable)
+        weights = self.pretrained[1] if self.pretrained is not None else None
+        return export_names(module, weights, trainable, self.wrapped)
 
     def whole_state(self, module: nn.Module) -> dict[str, Any]:
         """The whole module's state as a checkpoint must match it: once pruned, other stages' keys (as None)."""

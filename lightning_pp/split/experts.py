@@ -13,7 +13,7 @@ averages the rest: a factor ``1 / E`` on the experts' gradients keeps the two al
 across replicas with them).
 
 A traced model runs aten graphs, not the modules: while tracing, the experts call a custom op (an opaque node
-with a fake kernel); each rank's pieces then call :class:`_Routed` in its place, on the adopted tensors.
+with a fake kernel); each rank's pieces then call :func:`routed` in its place, on the adopted tensors.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from lightning_pp.split.stage import get_path
 def _routed_op(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: list[torch.Tensor], path: str
 ) -> torch.Tensor:
-    raise RuntimeError(f"lightning_pp::routed_experts ({path}) runs only in a trace; its pieces call _Routed")
+    raise RuntimeError(f"lightning_pp::routed_experts ({path}) runs only in a trace; its pieces call routed()")
 
 
 @_routed_op.register_fake
@@ -79,6 +79,13 @@ def route_experts(module: nn.Module, size: int) -> list[str]:
             f"expert_parallel_size={size}, but {type(module).__name__} holds no experts module transformers'"
             " @use_experts_implementation makes (forward(hidden, top_k_index, top_k_weights), parameters"
             " [num_experts, ...]). Use expert_parallel_size=1 (the default) for a dense model."
+        )
+    adapted = list(adapted_experts(module))
+    if adapted:
+        raise PipelineConfigError(
+            f"expert_parallel_size={size} with LoRA on the experts' own weights ({adapted[0]}: peft's"
+            " target_parameters), whose product peft adds to each whole weight: a rank holding some of the experts"
+            " cannot take it. Use expert_parallel_size=1, or leave the experts out of target_parameters."
         )
     for name, experts in found.items():
         n = experts.num_experts
@@ -180,24 +187,77 @@ def routed(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-class _Routed(nn.Module):
-    """What a traced piece calls where the trace recorded the experts op: :func:`routed` on the tensors the piece
-    adopted, with the rank's experts module for everything else (its config, activation, layout flags)."""
+@torch.library.custom_op("lightning_pp::adapted_experts", mutates_args=())
+def _adapted_op(
+    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: list[torch.Tensor], path: str
+) -> torch.Tensor:
+    raise RuntimeError(f"lightning_pp::adapted_experts ({path}) runs only in a trace; its pieces call the module")
 
-    def __init__(self, experts: nn.Module) -> None:
+
+@_adapted_op.register_fake
+def _(hidden, top_k_index, top_k_weights, weights, path):  # type: ignore[no-untyped-def]
+    return torch.empty_like(hidden)
+
+
+_BASE = ".base_layer"  # peft's step into the module a wrapper wraps
+
+
+def adapted_experts(module: nn.Module) -> dict[str, nn.Module]:
+    """peft's LoRA on experts' stacked weights (``target_parameters``): the outermost ``ParamWrapper`` around each
+    experts module, by name. Its forward adds the adapters' product to the weight as a parametrization for the
+    call, under ``torch.autocast`` of the weight's device, which no trace on meta records."""
+    found = {}
+    for name, m in module.named_modules():
+        if not is_experts(m):
+            continue
+        outer = name
+        while outer.endswith(_BASE) and hasattr(get_path(module, outer[: -len(_BASE)]), "parameter_name"):
+            outer = outer[: -len(_BASE)]
+        if outer != name:
+            found[outer] = get_path(module, outer)
+    return found
+
+
+def opaque_adapted_experts(skeleton: nn.Module, prefix: str) -> None:
+    """In the trace of ``skeleton`` (at ``prefix`` in the LightningModule), each LoRA-adapted experts module is one
+    op on its inputs and tensors; each rank's pieces call the module itself there, eagerly (:func:`call_eager`)."""
+    for name, wrapper in adapted_experts(skeleton).items():
+        wrapper.forward = types.MethodType(_adapted_forward, wrapper)  # type: ignore[method-assign]
+        wrapper._adapted_path = prefix + name
+
+
+def _adapted_forward(
+    self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> Any:
+    return _adapted_op(hidden, top_k_index, top_k_weights, list(self.parameters()), self._adapted_path)
+
+
+class _Eager(nn.Module):
+    """What a traced piece calls where the trace recorded one of the experts ops: ``run`` on the rank's module at
+    the op's path, whose tensors the piece adopted by their own names."""
+
+    def __init__(self, module: nn.Module, run: Any) -> None:
         super().__init__()
-        self.__dict__["experts"] = experts  # not a child: its tensors are the piece's, by their own names
+        self.__dict__.update(module=module, run=run)  # not a child: its tensors are the piece's, by their own names
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: list,
                 path: str) -> torch.Tensor:  # fmt: skip
-        return routed(self.experts, hidden, top_k_index, top_k_weights, weights)
+        return self.run(self.module, hidden, top_k_index, top_k_weights, weights)
 
 
-def call_routed(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
-    """``node`` (the traced experts op) calls :class:`_Routed` on the rank's experts module at the op's path."""
-    name = f"_routed_{len(owner._modules)}"
-    owner.add_module(name, _Routed(get_path(view, node.args[4])))
+def call_eager(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
+    """``node`` (a traced experts op) calls the rank's module at the op's path: the sharded experts dispatch their
+    tokens (:func:`routed`), LoRA-adapted experts run peft's own forward."""
+    run = routed if node.target is ROUTED_OP else _own_forward
+    name = f"_eager_{len(owner._modules)}"
+    owner.add_module(name, _Eager(get_path(view, node.args[4]), run))
     node.op, node.target = "call_module", name
 
 
+def _own_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 weights: list) -> torch.Tensor:  # fmt: skip
+    return module(hidden, top_k_index, top_k_weights)
+
+
 ROUTED_OP = torch.ops.lightning_pp.routed_experts.default
+ADAPTED_OP = torch.ops.lightning_pp.adapted_experts.default

@@ -39,7 +39,13 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
-from lightning_pp.split.experts import ROUTED_OP, call_routed, eager_experts_fix
+from lightning_pp.split.experts import (
+    ADAPTED_OP,
+    ROUTED_OP,
+    call_eager,
+    eager_experts_fix,
+    opaque_adapted_experts,
+)
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
@@ -108,6 +114,7 @@ class Tracer:
         with on_meta(module), patched(module, _trainer=None) if not entry else contextlib.nullcontext():
             self.skeleton = copy.deepcopy(model)
         _without_cache(self.skeleton)
+        opaque_adapted_experts(self.skeleton, self._prefix)
         self._traces: dict[tuple, _Trace] = {}
 
     def trace(self, train: bool, call: ModelCall) -> _Trace:
@@ -395,8 +402,8 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
                 node.kwargs = map_aggregate(node.kwargs, lambda v: _device(v, device))
                 if node.target is torch.ops.aten.histc.default and device.type in _NO_INTEGER_HISTC:
                     _count_in_float(graph, node)
-                elif node.target is ROUTED_OP:
-                    call_routed(sub, node, view)
+                elif node.target in (ROUTED_OP, ADAPTED_OP):
+                    call_eager(sub, node, view)
             if isinstance(sub, fx.GraphModule):
                 sub.recompile()
             elif getattr(sub, "graph_module", None) is not None:  # an InterpreterModule: its code, which dynamo
