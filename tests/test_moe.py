@@ -114,13 +114,14 @@ def test_lora_on_a_moe_models_attention_and_experts_read_from_its_hub_layout_exp
     MOE_MODELS["qwen3_moe"](n_layers=4).model.save_pretrained(tmp_path / "qwen3_moe", max_shard_size="60KB")
     cfg = dict(MOE, model="lora_moe", layers="model.base_model.model.model.layers", schedule="zbv", devices=2, m=4,
                batch=8, n_train=16, build="init_module", pretrained=str(tmp_path / "qwen3_moe"), optimizer="sgd",
-               lr=0.05)  # fmt: skip
+               lr=1.0)  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
     ref = reference(**_micro(cfg))
     saved = job.state()
     assert saved and all(".lora_" in k for k in saved)  # the base left out
     experts = [k for k in saved if ".mlp.experts." in k and ".lora_B." in k]
-    assert len(experts) == 8 and all(saved[k].abs().max() > 0 for k in experts), experts  # both weights, trained
+    # both stacks of each layer trained, well past the tolerance
+    assert len(experts) == 8 and all(saved[k].abs().max() > 20 * PARAM_TOL for k in experts), experts
     assert_state_equal(saved, {k: v for k, v in ref["state"].items() if k in saved}, PARAM_TOL)
     ckpt = str(job.out / "final.ckpt")
     for form in ("hf", "peft"):
