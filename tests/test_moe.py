@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ok, run_job
 from models import MOE as MOE_MODELS
-from models import LoraMoE
+from models import HFLlama, LoraMoE
 from test_frozen import _micro
 from test_parity import common
 from test_tied import assert_state_equal, combined
@@ -139,16 +139,23 @@ def test_lora_on_a_moe_models_attention_and_experts_read_from_its_hub_layout_exp
     assert_state_equal(merged.state_dict(), one.merge_and_unload().state_dict(), 1e-6)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama"])
 def test_lora_on_stacked_experts_merges_as_peft_merges_it(family):
     # peft's ParamWrapper cuts each expert's A and B from two matrices of rank x experts; Qwen3-MoE keeps its stacks
-    # (experts, out, in), gpt-oss (experts, in, out). The names do not say which parameter each nested wrapper
-    # adapts: the checkpoint records it
+    # (experts, out, in), gpt-oss (experts, in, out); on a matrix (a Llama's q_proj.weight) it is plain LoRA. The
+    # names do not say which parameter each nested wrapper adapts: the checkpoint records it
+    from peft import LoraConfig, get_peft_model
+
     from lightning_pp.checkpoints.adapters import parameter_wrappers
     from lightning_pp.checkpoints.export_peft import lora_merges, record_adapters, recorded_sites
 
     torch.manual_seed(0)
-    module = type("Lora", (LoraMoE,), {"family": family})(n_layers=2)
+    if family == "llama":
+        module = HFLlama(n_layers=2)
+        lora = LoraConfig(r=4, target_modules=[], target_parameters=["q_proj.weight", "mlp.up_proj.weight"])
+        module.model = get_peft_model(module.model, lora)
+    else:
+        module = type("Lora", (LoraMoE,), {"family": family})(n_layers=2)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if ".lora_" in name:
@@ -157,7 +164,8 @@ def test_lora_on_stacked_experts_merges_as_peft_merges_it(family):
     export = {"adapters": record_adapters(module), "wrapped": parameter_wrappers(module)}
     site = recorded_sites(export)[0]
     merges = lora_merges(state, site, "default", export["wrapped"])
-    assert sum(m.experts == 4 for m in merges.values()) == 4, merges  # two stacks in each of 2 layers
+    stacks = [m for m in merges.values() if m.experts == 4]  # two in each of 2 layers; the rest matrices
+    assert (len(merges), len(stacks)) == ((4, 0) if family == "llama" else (8, 4)), merges
     want = module.model.merge_and_unload().state_dict()
     got = {site.base_key(n): merges[n].apply(state) if n in merges else t for n, t in state.items() if site.base_key(n)}
     assert_state_equal(got, want, 1e-5)
