@@ -171,6 +171,23 @@ def test_lora_on_stacked_experts_merges_as_peft_merges_it(family):
     assert_state_equal(got, want, 1e-5)
 
 
+def test_balance_profile_counts_experts_adapted_by_lora():
+    # balance="profile" counts a traced model's FLOPs on meta through the op the trace records for LoRA-adapted
+    # experts: it could not run backward there ("no autograd formula"), and counted the experts nothing
+    from lightning_pp.split.microbatch import ModelCall
+    from lightning_pp.split.traced import Tracer
+
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    call = ModelCall("model", (), {"input_ids": tokens, "labels": tokens})
+    costs = [
+        Tracer(model, "model", f"model.{layers}", (2, 2)).flop_costs(True, call).layers
+        for model, layers in ((LoraMoE(n_layers=4), "base_model.model.model.layers"),
+                              (MOE_MODELS["qwen3_moe"](n_layers=4), "model.layers"))
+    ]  # fmt: skip
+    # its base frozen: no weight gradients there (without the experts, 0.45 of the plain model's layer)
+    assert all(0.7 < a / b <= 1.2 for a, b in zip(*costs)), costs
+
+
 def test_lora_on_the_experts_weights_is_refused_where_it_cannot_run():
     # experts split over replicas: peft adds the whole stack's product to each rank's part; compile=True: dynamo
     # recompiled peft's per-call parametrization for each layer until its limit, then ran eagerly (unseen)

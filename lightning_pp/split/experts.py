@@ -259,5 +259,52 @@ def _own_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Ten
     return module(hidden, top_k_index, top_k_weights)
 
 
+@torch.library.custom_op("lightning_pp::experts_backward", mutates_args=())
+def _backward_op(grad: torch.Tensor, top_k_index: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    raise RuntimeError("lightning_pp::experts_backward is only counted, on tensors without data")
+
+
+@_backward_op.register_fake
+def _(grad, top_k_index, weights):  # type: ignore[no-untyped-def]
+    return [torch.empty_like(grad), *(torch.empty_like(w) for w in weights)]
+
+
+def _keep(ctx: Any, inputs: tuple, output: Any) -> None:
+    ctx.save_for_backward(inputs[1], *inputs[3])
+
+
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    """Only ever run without data, where the trace's pieces are counted (``balance="profile"``): the gradients'
+    shapes, and an op that the FLOP counter counts (the router's share left out)."""
+    top_k_index, *weights = ctx.saved_tensors
+    hidden, *of_weights = _backward_op(grad, top_k_index, weights)
+    return hidden, None, None, of_weights, None
+
+
+for _op in (_routed_op, _adapted_op):
+    _op.register_autograd(_backward, setup_context=_keep)
+
+
+def _pairs_flops(top_k_index: torch.Size, weights: list[torch.Size]) -> int:
+    """Each (token, expert) pair through one expert's matrices (the stacks' last two dimensions); LoRA's product,
+    once per call and small beside the tokens', is left out."""
+    return 2 * top_k_index[0] * top_k_index[1] * sum(w[1] * w[2] for w in weights if len(w) == 3)
+
+
+def _experts_flops(hidden: torch.Size, top_k_index: torch.Size, top_k_weights: torch.Size, weights: list[torch.Size],
+                   *_: Any, **__: Any) -> int:  # fmt: skip
+    return _pairs_flops(top_k_index, weights)
+
+
+def _experts_backward_flops(grad: torch.Size, top_k_index: torch.Size, weights: list[torch.Size], **_: Any) -> int:
+    """The input's gradient and the weights', each the forward's."""
+    return 2 * _pairs_flops(top_k_index, weights)
+
+
 ROUTED_OP = torch.ops.lightning_pp.routed_experts.default
 ADAPTED_OP = torch.ops.lightning_pp.adapted_experts.default
+EXPERTS_FLOPS = {  # for torch's FlopCounterMode: what the ops in place of experts cost
+    torch.ops.lightning_pp.routed_experts: _experts_flops,
+    torch.ops.lightning_pp.adapted_experts: _experts_flops,
+    torch.ops.lightning_pp.experts_backward: _experts_backward_flops,
+}

@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
 from lightning_pp.memory.materialize import without_data
+from lightning_pp.split.experts import EXPERTS_FLOPS
 from lightning_pp.split.partition import Costs
 from lightning_pp.split.pruned import sendable
 
@@ -109,8 +110,9 @@ def _grouped_mm_backward_flops(a: torch.Size, b: torch.Size, *_: Any, **__: Any)
 @contextlib.contextmanager
 def _flop_counter() -> Iterator[FlopCounterMode]:
     """torch's FLOP counter, counting MoE experts' grouped matmuls too: torch's, and in a trace (torch.export of a
-    float32 model) transformers' ``grouped_mm_fallback`` custom ops, which the counter cannot see into."""
-    formulas = {torch.ops.aten._grouped_mm: _grouped_mm_flops}
+    float32 model) transformers' ``grouped_mm_fallback`` custom ops, which the counter cannot see into, and the ops
+    a trace records in place of experts sharded over replicas or adapted by LoRA."""
+    formulas = {torch.ops.aten._grouped_mm: _grouped_mm_flops, **EXPERTS_FLOPS}
     fallback = torch.ops.transformers  # a namespace of ops transformers registers when its MoE code is imported
     if hasattr(fallback, "grouped_mm_fallback") and hasattr(fallback, "grouped_mm_fallback_backward"):
         formulas[fallback.grouped_mm_fallback] = _grouped_mm_flops
