@@ -13,7 +13,8 @@ averages the rest: a factor ``1 / E`` on the experts' gradients keeps the two al
 across replicas with them).
 
 A traced model runs aten graphs, not the modules: while tracing, the experts call a custom op (an opaque node
-with a fake kernel); each rank's pieces then call :func:`routed` in its place, on the adopted tensors.
+with a fake kernel); each rank's pieces then call :func:`routed` in its place, on the adopted tensors. Experts
+with LoRA on their own weights (peft's ``target_parameters``) are such an op too, whose pieces run peft's module.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from lightning_pp.memory.materialize import without_data
 from lightning_pp.split.stage import get_path
 
 
-@torch.library.custom_op("lightning_pp::routed_experts", mutates_args=())
-def _routed_op(
+@torch.library.custom_op("lightning_pp::experts", mutates_args=())
+def _experts_op(
     hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: list[torch.Tensor], path: str
 ) -> torch.Tensor:
-    raise RuntimeError(f"lightning_pp::routed_experts ({path}) runs only in a trace; its pieces call routed()")
+    raise RuntimeError(f"lightning_pp::experts ({path}) runs only in a trace; its pieces call the module at {path}")
 
 
-@_routed_op.register_fake
+@_experts_op.register_fake
 def _(hidden, top_k_index, top_k_weights, weights, path):  # type: ignore[no-untyped-def]
     return torch.empty_like(hidden)
 
@@ -125,7 +126,7 @@ def is_routed(p: torch.Tensor) -> bool:
 def _forward(self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> Any:
     weights = [p for _, p in self.named_parameters(recurse=False)]
     if without_data(hidden):
-        return _routed_op(hidden, top_k_index, top_k_weights, weights, self._routed_path)
+        return _experts_op(hidden, top_k_index, top_k_weights, weights, self._routed_path)
     if not isinstance(weights[0], DTensor):  # not sharded yet: the placement's forward on the CPU
         return type(self).forward(self, hidden, top_k_index, top_k_weights)
     return routed(self, hidden, top_k_index, top_k_weights, weights)
@@ -187,18 +188,6 @@ def routed(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-@torch.library.custom_op("lightning_pp::adapted_experts", mutates_args=())
-def _adapted_op(
-    hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, weights: list[torch.Tensor], path: str
-) -> torch.Tensor:
-    raise RuntimeError(f"lightning_pp::adapted_experts ({path}) runs only in a trace; its pieces call the module")
-
-
-@_adapted_op.register_fake
-def _(hidden, top_k_index, top_k_weights, weights, path):  # type: ignore[no-untyped-def]
-    return torch.empty_like(hidden)
-
-
 _BASE = ".base_layer"  # peft's step into the module a wrapper wraps
 
 
@@ -229,11 +218,11 @@ def opaque_adapted_experts(skeleton: nn.Module, prefix: str) -> None:
 def _adapted_forward(
     self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> Any:
-    return _adapted_op(hidden, top_k_index, top_k_weights, list(self.parameters()), self._adapted_path)
+    return _experts_op(hidden, top_k_index, top_k_weights, list(self.parameters()), self._adapted_path)
 
 
 class _Eager(nn.Module):
-    """What a traced piece calls where the trace recorded one of the experts ops: ``run`` on the rank's module at
+    """What a traced piece calls where the trace recorded the experts op: ``run`` on the rank's module at
     the op's path, whose tensors the piece adopted by their own names."""
 
     def __init__(self, module: nn.Module, run: Any) -> None:
@@ -246,11 +235,11 @@ class _Eager(nn.Module):
 
 
 def call_eager(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
-    """``node`` (a traced experts op) calls the rank's module at the op's path: the sharded experts dispatch their
+    """``node`` (the traced experts op) calls the rank's module at the op's path: the sharded experts dispatch their
     tokens (:func:`routed`), LoRA-adapted experts run peft's own forward."""
-    run = routed if node.target is ROUTED_OP else _own_forward
+    module = get_path(view, node.args[4])
     name = f"_eager_{len(owner._modules)}"
-    owner.add_module(name, _Eager(get_path(view, node.args[4]), run))
+    owner.add_module(name, _Eager(module, routed if hasattr(module, "_routed_path") else _own_forward))
     node.op, node.target = "call_module", name
 
 
@@ -281,8 +270,7 @@ def _backward(ctx: Any, grad: torch.Tensor) -> tuple:
     return hidden, None, None, of_weights, None
 
 
-for _op in (_routed_op, _adapted_op):
-    _op.register_autograd(_backward, setup_context=_keep)
+_experts_op.register_autograd(_backward, setup_context=_keep)
 
 
 def _pairs_flops(top_k_index: torch.Size, weights: list[torch.Size]) -> int:
@@ -301,10 +289,8 @@ def _experts_backward_flops(grad: torch.Size, top_k_index: torch.Size, weights: 
     return 2 * _pairs_flops(top_k_index, weights)
 
 
-ROUTED_OP = torch.ops.lightning_pp.routed_experts.default
-ADAPTED_OP = torch.ops.lightning_pp.adapted_experts.default
-EXPERTS_FLOPS = {  # for torch's FlopCounterMode: what the ops in place of experts cost
-    torch.ops.lightning_pp.routed_experts: _experts_flops,
-    torch.ops.lightning_pp.adapted_experts: _experts_flops,
+EXPERTS_OP = torch.ops.lightning_pp.experts.default
+EXPERTS_FLOPS = {  # for torch's FlopCounterMode: what the op in place of experts costs
+    torch.ops.lightning_pp.experts: _experts_flops,
     torch.ops.lightning_pp.experts_backward: _experts_backward_flops,
 }

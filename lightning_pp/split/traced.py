@@ -40,8 +40,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
 from lightning_pp.split.experts import (
-    ADAPTED_OP,
-    ROUTED_OP,
+    EXPERTS_OP,
     call_eager,
     eager_experts_fix,
     opaque_adapted_experts,
@@ -402,7 +401,7 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
                 node.kwargs = map_aggregate(node.kwargs, lambda v: _device(v, device))
                 if node.target is torch.ops.aten.histc.default and device.type in _NO_INTEGER_HISTC:
                     _count_in_float(graph, node)
-                elif node.target in (ROUTED_OP, ADAPTED_OP):
+                elif node.target is EXPERTS_OP:
                     call_eager(sub, node, view)
             if isinstance(sub, fx.GraphModule):
                 sub.recompile()
