@@ -232,7 +232,7 @@ class PipelineStrategy(ParallelStrategy):
         assert module is not None and self.accelerator is not None
         summarize_counted_flops(trainer)
         if self._placement is None:
-            check_module(module, self.options.layers, self.options.balance, self.n_stages, self.options.compile)
+            check_module(module, self.options.layers, self.options.balance, self.n_stages)
         self._holding.match_pretrained(module)
         check_initializers(module, self.options.init_fn, self._holding.loaded)
         if not self._holding.pruned:  # an earlier fit sharded it itself

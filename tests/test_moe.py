@@ -188,19 +188,13 @@ def test_balance_profile_counts_experts_adapted_by_lora():
     assert all(0.7 < a / b <= 1.2 for a, b in zip(*costs)), costs
 
 
-def test_lora_on_the_experts_weights_is_refused_where_it_cannot_run():
-    # experts split over replicas: peft adds the whole stack's product to each rank's part; compile=True: dynamo
-    # recompiled peft's per-call parametrization for each layer until its limit, then ran eagerly (unseen)
+def test_experts_split_over_replicas_refuse_lora_on_their_weights():
+    # peft adds the whole stack's product to the weight: a rank holding part of the stack cannot take it
     from lightning_pp.errors import PipelineConfigError
     from lightning_pp.split.experts import route_experts
-    from lightning_pp.split.planning import check_module
 
-    model, layers = LoraMoE(n_layers=2), "model.base_model.model.model.layers"
     with pytest.raises(PipelineConfigError, match=r"expert_parallel_size=2 with LoRA on the experts' own weights"):
-        route_experts(model, 2)
-    with pytest.raises(PipelineConfigError, match=r"compile=True with LoRA on the experts' own weights.*layers\.0"):
-        check_module(model, layers, None, 2, {})
-    check_module(model, layers, None, 2)
+        route_experts(LoraMoE(n_layers=2), 2)
 
 
 def test_the_experts_flops_of_a_moe_model_built_on_meta_are_counted():

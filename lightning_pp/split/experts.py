@@ -236,7 +236,7 @@ class _Eager(nn.Module):
 
 def call_eager(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
     """``node`` (the traced experts op) calls the rank's module at the op's path: the sharded experts dispatch their
-    tokens (:func:`routed`), LoRA-adapted experts run peft's own forward."""
+    tokens (:func:`routed`), LoRA-adapted experts add their adapters' products to their stacks."""
     module = get_path(view, node.args[4])
     name = f"_eager_{len(owner._modules)}"
     owner.add_module(name, _Eager(module, routed if hasattr(module, "_routed_path") else _own_forward))
@@ -245,7 +245,21 @@ def call_eager(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
 
 def _own_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  weights: list) -> torch.Tensor:  # fmt: skip
-    return module(hidden, top_k_index, top_k_weights)
+    """LoRA-adapted experts as peft's ``ParamWrapper`` computes them (each adapted stack plus its active adapters'
+    product, by peft's ``get_delta_weight``), without the parametrization it registers on the experts module at each
+    call, which dynamo cannot compile (a compiled layer recompiled it per layer until dynamo's limit, then ran
+    eagerly). Where peft adds otherwise (a float8 stack, upcast; adapters merged or turned off), peft's module runs."""
+    from peft.utils import UPCAST_DTYPES
+
+    stacks, m = {}, module
+    while hasattr(m, "parameter_name"):
+        w = m.get_param()
+        if m.merged or m.disable_adapters or any(getattr(torch, d, None) == w.dtype for d in UPCAST_DTYPES):
+            return module(hidden, top_k_index, top_k_weights)
+        adapters = [a for a in m.active_adapters if a in m.lora_A]
+        stacks[m.parameter_name] = w + sum(m.get_delta_weight(a) for a in adapters) if adapters else w
+        m = m.base_layer
+    return type(m).forward(_Local(m, stacks, m.num_experts), hidden, top_k_index, top_k_weights)
 
 
 @torch.library.custom_op("lightning_pp::experts_backward", mutates_args=())

@@ -25,7 +25,7 @@ from lightning_pp.layout.mesh import Layout
 from lightning_pp.layout.options import Balance, PipelineOptions
 from lightning_pp.layout.schedule import check_microbatches
 from lightning_pp.memory.materialize import has_meta_tensors, on_meta
-from lightning_pp.split.experts import adapted_experts, route_experts
+from lightning_pp.split.experts import route_experts
 from lightning_pp.split.microbatch import ModelCall, batch_size_of, capture_model_call, split_batch
 from lightning_pp.split.partition import resolve_balance
 from lightning_pp.split.profiling import agree, count_flops, describe_costs, profile_costs
@@ -194,11 +194,8 @@ def _learn_by_pruning(
     return placement
 
 
-def check_module(
-    module: LightningModule, layers: str | None, balance: Balance, n_stages: int, compile: Any = None
-) -> None:
-    """What the module's structure allows (under ``compile``'s options, None for none), checked on every rank before
-    any collective."""
+def check_module(module: LightningModule, layers: str | None, balance: Balance, n_stages: int) -> None:
+    """What the module's structure allows, checked on every rank before any collective."""
     path = resolve_layers(module, layers)
     whole = [n or "the LightningModule" for n, m in module.named_modules() if is_compiled(m)
              and (not n or path == n or path.startswith(n + "."))]  # fmt: skip
@@ -207,14 +204,6 @@ def check_module(
             f"{whole[0]} was compiled as a whole (`.compile()`), which the pipeline never calls as one: each rank"
             " runs its stages' parts (and that compile would run eagerly, unseen). Remove that call and pass"
             " PipelineStrategy(compile=True), which compiles each layer of each rank's stages in place."
-        )
-    adapted = list(adapted_experts(module)) if compile is not None else []
-    if adapted:
-        raise PipelineConfigError(
-            f"compile=True with LoRA on the experts' own weights ({adapted[0]}: peft's target_parameters): peft's"
-            " ParamWrapper registers a parametrization on the experts module at every call, which dynamo cannot"
-            " compile (it recompiles per layer until its limit, then runs eagerly). Leave compile out (the default),"
-            " or the experts out of target_parameters."
         )
     n_layers = len(find_layers(module, path))
     resolve_balance("uniform" if isinstance(balance, str) else balance, n_layers, n_stages)
