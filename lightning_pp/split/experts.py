@@ -14,7 +14,8 @@ across replicas with them).
 
 A traced model runs aten graphs, not the modules: while tracing, the experts call a custom op (an opaque node
 with a fake kernel); each rank's pieces then call :func:`routed` in its place, on the adopted tensors. Experts
-with LoRA on their own weights (peft's ``target_parameters``) are such an op too, whose pieces run peft's module.
+with LoRA on their own weights (peft's ``target_parameters``) are that op too, where the pieces run the experts on
+each stack plus its adapters' product (:func:`_own_forward`).
 """
 
 from __future__ import annotations
@@ -209,7 +210,7 @@ def adapted_experts(module: nn.Module) -> dict[str, nn.Module]:
 
 def opaque_adapted_experts(skeleton: nn.Module, prefix: str) -> None:
     """In the trace of ``skeleton`` (at ``prefix`` in the LightningModule), each LoRA-adapted experts module is one
-    op on its inputs and tensors; each rank's pieces call the module itself there, eagerly (:func:`call_eager`)."""
+    op on its inputs and tensors, which each rank's pieces run on the rank's module (:func:`call_eager`)."""
     for name, wrapper in adapted_experts(skeleton).items():
         wrapper.forward = types.MethodType(_adapted_forward, wrapper)  # type: ignore[method-assign]
         wrapper._adapted_path = prefix + name
