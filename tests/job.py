@@ -52,6 +52,7 @@ from models import (  # noqa: E402
     LoraBert,
     LoraGPT,
     LoraLlama,
+    LoraLlama4,
     LoraMoE,
     NoSkipGPT,
     SelfShardedGPT,
@@ -109,6 +110,7 @@ MODELS = {
     "router": HFMoERouter,
     "router_mask": HFMoERouterMasked,
     "lora_moe": LoraMoE,
+    "lora_llama4": LoraLlama4,
     "block_compiled": BlockCompiledGPT,
 }
 

@@ -711,6 +711,8 @@ def _moe_config(family: str, n_layers: int, **extra: object):
                         num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
                         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
                         qk_nope_head_dim=4, v_head_dim=8, num_key_value_heads=4)),
+        "llama4_text": ("Llama4TextConfig", dict(intermediate_size=16, intermediate_size_mlp=32, num_local_experts=4,
+                        num_experts_per_tok=1, head_dim=8)),
     }  # fmt: skip
     cls, own = experts[family]
     return getattr(transformers, cls)(**{**shape, **own, **extra})
@@ -739,8 +741,8 @@ class HFMoEEager(HFMoE):
     experts = "eager"
 
 
-MOE = {family: type(f"HFMoE_{family}", (HFMoE,), {"family": family})
-       for family in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3")}  # fmt: skip
+_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "llama4_text")
+MOE = {family: type(f"HFMoE_{family}", (HFMoE,), {"family": family}) for family in _FAMILIES}
 MOE["mixtral_eager"] = HFMoEEager
 
 
@@ -802,6 +804,18 @@ class LoraMoE(HFMoE):
         from peft import LoraConfig, get_peft_model
 
         self.model = get_peft_model(self.model, LoraConfig(**self.LORA))
+
+
+class LoraLlama4(LoraMoE):
+    """Llama 4 with LoRA on its experts as peft's documentation writes it (``feed_forward.experts.gate_up_proj``):
+    its experts are not transformers' ``@use_experts_implementation`` kind but one module over every expert's
+    tokens (``bmm``), stored (experts, in, out); and on a Linear's weight by name (the shared expert's
+    ``up_proj.weight``), a matrix peft adapts as plain LoRA."""
+
+    family = "llama4_text"
+    LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj",
+                                   "shared_expert.up_proj.weight"])  # fmt: skip
 
 
 class BlockCompiledGPT(TinyGPT):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import ok, run_job
 from models import MOE as MOE_MODELS
-from models import HFLlama, LoraMoE
+from models import HFLlama, LoraLlama4, LoraMoE
 from test_frozen import _micro
 from test_parity import common
 from test_tied import assert_state_equal, combined
@@ -139,7 +139,27 @@ def test_lora_on_a_moe_models_attention_and_experts_read_from_its_hub_layout_exp
     assert_state_equal(merged.state_dict(), one.merge_and_unload().state_dict(), 1e-6)
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama"])
+def test_lora_on_llama4s_experts_and_a_linears_weight_by_name_trains_as_one_process_under_zero_bubble(
+    tmp_path, reference
+):
+    # peft's documented target_parameters (Llama 4's feed_forward.experts.gate_up_proj) on experts that are not
+    # transformers' experts kind, and a Linear's weight by name: each wrapper traces as its fold (the trace on meta
+    # refused "unsupported scalarType", peft's autocast of the meta device), built on meta and read by init_weights
+    torch.manual_seed(0)
+    MOE_MODELS["llama4_text"](n_layers=4).model.save_pretrained(tmp_path / "llama4", max_shard_size="60KB")
+    cfg = dict(MOE, model="lora_llama4", layers="model.base_model.model.model.layers", schedule="interleaved_zb",
+               devices=2, m=4, batch=8, n_train=16, build="init_module", pretrained=str(tmp_path / "llama4"),
+               optimizer="sgd", lr=1.0)  # fmt: skip
+    job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    saved = job.state()
+    assert saved and all(".lora_" in k for k in saved)  # the base left out
+    trained = [k for k in saved if (".experts." in k or ".shared_expert." in k) and ".lora_B." in k]
+    assert len(trained) == 12 and all(saved[k].abs().max() > 20 * PARAM_TOL for k in trained), trained
+    ref = reference(**_micro(cfg))
+    assert_state_equal(saved, {k: v for k, v in ref["state"].items() if k in saved}, PARAM_TOL)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4_text", "llama"])
 def test_lora_on_stacked_experts_merges_as_peft_merges_it(family):
     # peft's ParamWrapper cuts each expert's A and B from two matrices of rank x experts; Qwen3-MoE keeps its stacks
     # (experts, out, in), gpt-oss (experts, in, out); on a matrix (a Llama's q_proj.weight) it is plain LoRA. The
@@ -154,6 +174,8 @@ def test_lora_on_stacked_experts_merges_as_peft_merges_it(family):
         module = HFLlama(n_layers=2)
         lora = LoraConfig(r=4, target_modules=[], target_parameters=["q_proj.weight", "mlp.up_proj.weight"])
         module.model = get_peft_model(module.model, lora)
+    elif family == "llama4_text":
+        module = LoraLlama4(n_layers=2)
     else:
         module = type("Lora", (LoraMoE,), {"family": family})(n_layers=2)
     with torch.no_grad():
@@ -165,7 +187,8 @@ def test_lora_on_stacked_experts_merges_as_peft_merges_it(family):
     site = recorded_sites(export)[0]
     merges = lora_merges(state, site, "default", export["wrapped"])
     stacks = [m for m in merges.values() if m.experts == 4]  # two in each of 2 layers; the rest matrices
-    assert (len(merges), len(stacks)) == ((4, 0) if family == "llama" else (8, 4)), merges
+    expected = {"llama": (4, 0), "llama4_text": (10, 4)}.get(family, (8, 4))  # Llama 4: a shared up_proj each too
+    assert (len(merges), len(stacks)) == expected, merges
     want = module.model.merge_and_unload().state_dict()
     got = {site.base_key(n): merges[n].apply(state) if n in merges else t for n, t in state.items() if site.base_key(n)}
     assert_state_equal(got, want, 1e-5)

@@ -208,12 +208,21 @@ def adapted_experts(module: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def opaque_adapted_experts(skeleton: nn.Module, prefix: str) -> None:
+def trace_parameter_adapters(skeleton: nn.Module, prefix: str) -> None:
     """In the trace of ``skeleton`` (at ``prefix`` in the LightningModule), each LoRA-adapted experts module is one
-    op on its inputs and tensors, which each rank's pieces run on the rank's module (:func:`call_eager`)."""
-    for name, wrapper in adapted_experts(skeleton).items():
+    op on its inputs and tensors, which each rank's pieces run on the rank's module (:func:`call_eager`). peft's
+    wrappers of any other module's tensors (Llama 4's experts, a Linear's ``weight``) trace as the fold itself
+    (:func:`_folded_forward`), the base module called on the adapted tensors."""
+    experts = adapted_experts(skeleton)
+    for name, wrapper in experts.items():
         wrapper.forward = types.MethodType(_adapted_forward, wrapper)  # type: ignore[method-assign]
         wrapper._adapted_path = prefix + name
+    outermost = list(experts)
+    for name, m in skeleton.named_modules():
+        if _is_wrapper(m) and not any(name.startswith(o + _BASE) for o in outermost):
+            outermost.append(name)
+            if name not in experts:
+                m.forward = types.MethodType(_folded_forward, m)  # type: ignore[method-assign]
 
 
 def _adapted_forward(
@@ -244,23 +253,52 @@ def call_eager(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
     node.op, node.target = "call_module", name
 
 
-def _own_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                 weights: list) -> torch.Tensor:  # fmt: skip
-    """LoRA-adapted experts as peft's ``ParamWrapper`` computes them (each adapted stack plus its active adapters'
-    product, by peft's ``get_delta_weight``), without the parametrization it registers on the experts module at each
-    call, which dynamo cannot compile (a compiled layer recompiled it per layer until dynamo's limit, then ran
-    eagerly). Where peft adds otherwise (a float8 stack, upcast; adapters merged or turned off), peft's module runs."""
+def _is_wrapper(m: nn.Module) -> bool:
+    return isinstance(getattr(m, "parameter_name", None), str) and hasattr(m, "lora_A")
+
+
+def _adapted_stacks(wrapper: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]] | None:
+    """The module peft's nested wrappers (outermost ``wrapper``) adapt, and each adapted tensor as peft's forward
+    makes it for the call (its ``_activate_lora``: one adapter's factors folded in by ``baddbmm``, else the sum of
+    its adapters' ``get_delta_weight``), without the parametrization peft registers. None where peft adds otherwise
+    (a float8 tensor, upcast; adapters merged or turned off): peft's module runs there."""
     from peft.utils import UPCAST_DTYPES
 
-    stacks, m = {}, module
-    while hasattr(m, "parameter_name"):
+    stacks, m = {}, wrapper
+    while _is_wrapper(m):
         w = m.get_param()
         if m.merged or m.disable_adapters or any(getattr(torch, d, None) == w.dtype for d in UPCAST_DTYPES):
-            return module(hidden, top_k_index, top_k_weights)
+            return None
         adapters = [a for a in m.active_adapters if a in m.lora_A]
-        stacks[m.parameter_name] = w + sum(m.get_delta_weight(a) for a in adapters) if adapters else w
+        if len(adapters) == 1 and m.num_experts > 1 and hasattr(m, "get_delta_factors"):
+            lhs, rhs, scaling = m.get_delta_factors(adapters[0])
+            stacks[m.parameter_name] = torch.baddbmm(w, lhs, rhs, alpha=scaling)
+        else:
+            stacks[m.parameter_name] = w + sum(m.get_delta_weight(a) for a in adapters) if adapters else w
         m = m.base_layer
-    return type(m).forward(_Local(m, stacks, m.num_experts), hidden, top_k_index, top_k_weights)
+    return m, stacks
+
+
+def _folded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """peft's ``ParamWrapper`` forward as a trace on meta can record it: peft's own registers a parametrization
+    under ``torch.autocast`` of the tensor's device, which meta has none of."""
+    found = _adapted_stacks(self)
+    if found is None:
+        return type(self).forward(self, *args, **kwargs)
+    module, stacks = found
+    return torch.func.functional_call(module, stacks, args, kwargs, strict=False)
+
+
+def _own_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                 weights: list) -> torch.Tensor:  # fmt: skip
+    """LoRA-adapted experts as peft's ``ParamWrapper`` computes them (:func:`_adapted_stacks`), without the
+    parametrization it registers on the experts module at each call, which dynamo cannot compile (a compiled layer
+    recompiled it per layer until dynamo's limit, then ran eagerly)."""
+    found = _adapted_stacks(module)
+    if found is None:
+        return module(hidden, top_k_index, top_k_weights)
+    experts, stacks = found
+    return type(experts).forward(_Local(experts, stacks, experts.num_experts), hidden, top_k_index, top_k_weights)
 
 
 @torch.library.custom_op("lightning_pp::experts_backward", mutates_args=())

@@ -39,7 +39,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
-from lightning_pp.split.experts import EXPERTS_OP, call_eager, eager_experts_fix, opaque_adapted_experts
+from lightning_pp.split.experts import EXPERTS_OP, call_eager, eager_experts_fix, trace_parameter_adapters
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.profiling import describe_costs, flops_of
@@ -108,7 +108,7 @@ class Tracer:
         with on_meta(module), patched(module, _trainer=None) if not entry else contextlib.nullcontext():
             self.skeleton = copy.deepcopy(model)
         _without_cache(self.skeleton)
-        opaque_adapted_experts(self.skeleton, self._prefix)
+        trace_parameter_adapters(self.skeleton, self._prefix)
         self._traces: dict[tuple, _Trace] = {}
 
     def trace(self, train: bool, call: ModelCall) -> _Trace:
