@@ -654,14 +654,23 @@ class LoraLlama(HFLlama):
     """``HFLlama`` wrapped by ``peft.get_peft_model`` inside the module: LoRA on ``q_proj``/``v_proj`` of the later
     half of the layers only, the rest of the model frozen (layers at ``model.base_model.model.model.layers``)."""
 
+    dora = False
+
     def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
         super().__init__(n_layers, lr, optimizer)
         from peft import LoraConfig, get_peft_model
 
         later = list(range(n_layers // 2, n_layers))
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
-                            layers_to_transform=later)  # fmt: skip
+                            layers_to_transform=later, use_dora=self.dora)  # fmt: skip
         self.model = get_peft_model(self.model, config)
+
+
+class DoraLlama(LoraLlama):
+    """``LoraLlama`` with DoRA (``use_dora=True``): each adapted Linear also trains a magnitude per output, whose
+    module peft calls with the layer's ``lora_A`` and ``lora_B``."""
+
+    dora = True
 
 
 class LoraGPT(TinyGPT):

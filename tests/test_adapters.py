@@ -160,3 +160,20 @@ def _assert_trained_equal(state: dict[str, torch.Tensor], ref: dict[str, torch.T
     assert {k for k in ref if ".lora_" in k} <= state.keys() <= ref.keys()
     worst = max((state[k] - ref[k]).abs().max().item() for k in state)
     assert worst <= PARAM_TOL
+
+
+def test_peft_adapters_of_a_kind_that_does_not_trace_are_named_with_the_fix():
+    # LoHa's trace stopped on a guard only data decides ("Eq(u0, 1)"), and the fix said was the seed convention
+    from peft import LoHaConfig, get_peft_model
+
+    from lightning_pp.split.microbatch import ModelCall
+    from lightning_pp.split.traced import Tracer
+
+    module = HFLlama(n_layers=2)
+    module.model = get_peft_model(module.model, LoHaConfig(r=4, alpha=8, target_modules=["q_proj"]))
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    call = ModelCall("model", (), {"input_ids": tokens, "labels": tokens})
+    tracer = Tracer(module, "model", "model.base_model.model.model.layers", (1, 1))
+    fix = r"Its peft adapters \(loha at base_model\.model\.model\.layers\.0\.self_attn\.q_proj\) are of a kind that"
+    with pytest.raises(PipelineConfigError, match=fix + r" does not trace here: train LoRA \(or DoRA, AdaLoRA, IA3\)"):
+        tracer.trace(True, call)

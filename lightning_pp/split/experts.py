@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.memory.materialize import without_data
+from lightning_pp.split.peft_trace import BASE, adapted_tensors, is_parameter_wrapper
 from lightning_pp.split.stage import get_path
 
 
@@ -189,9 +190,6 @@ def routed(
     return weighted.sum(dim=1).to(hidden.dtype)
 
 
-_BASE = ".base_layer"  # peft's step into the module a wrapper wraps
-
-
 def adapted_experts(module: nn.Module) -> dict[str, nn.Module]:
     """peft's LoRA on experts' stacked weights (``target_parameters``): the outermost ``ParamWrapper`` around each
     experts module, by name. Its forward adds the adapters' product to the weight as a parametrization for the
@@ -201,28 +199,22 @@ def adapted_experts(module: nn.Module) -> dict[str, nn.Module]:
         if not is_experts(m):
             continue
         outer = name
-        while outer.endswith(_BASE) and hasattr(get_path(module, outer[: -len(_BASE)]), "parameter_name"):
-            outer = outer[: -len(_BASE)]
+        while outer.endswith(BASE) and is_parameter_wrapper(get_path(module, outer[: -len(BASE)])):
+            outer = outer[: -len(BASE)]
         if outer != name:
             found[outer] = get_path(module, outer)
     return found
 
 
-def trace_parameter_adapters(skeleton: nn.Module, prefix: str) -> None:
+def opaque_adapted_experts(skeleton: nn.Module, prefix: str) -> list[str]:
     """In the trace of ``skeleton`` (at ``prefix`` in the LightningModule), each LoRA-adapted experts module is one
-    op on its inputs and tensors, which each rank's pieces run on the rank's module (:func:`call_eager`). peft's
-    wrappers of any other module's tensors (Llama 4's experts, a Linear's ``weight``) trace as the fold itself
-    (:func:`_folded_forward`), the base module called on the adapted tensors."""
+    op on its inputs and tensors, which each rank's pieces run on the rank's module (:func:`call_eager`). Returns
+    the wrappers' names."""
     experts = adapted_experts(skeleton)
     for name, wrapper in experts.items():
         wrapper.forward = types.MethodType(_adapted_forward, wrapper)  # type: ignore[method-assign]
         wrapper._adapted_path = prefix + name
-    outermost = list(experts)
-    for name, m in skeleton.named_modules():
-        if _is_wrapper(m) and not any(name.startswith(o + _BASE) for o in outermost):
-            outermost.append(name)
-            if name not in experts:
-                m.forward = types.MethodType(_folded_forward, m)  # type: ignore[method-assign]
+    return list(experts)
 
 
 def _adapted_forward(
@@ -253,48 +245,12 @@ def call_eager(owner: fx.GraphModule, node: fx.Node, view: nn.Module) -> None:
     node.op, node.target = "call_module", name
 
 
-def _is_wrapper(m: nn.Module) -> bool:
-    return isinstance(getattr(m, "parameter_name", None), str) and hasattr(m, "lora_A")
-
-
-def _adapted_stacks(wrapper: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]] | None:
-    """The module peft's nested wrappers (outermost ``wrapper``) adapt, and each adapted tensor as peft's forward
-    makes it for the call (its ``_activate_lora``: one adapter's factors folded in by ``baddbmm``, else the sum of
-    its adapters' ``get_delta_weight``), without the parametrization peft registers. None where peft adds otherwise
-    (a float8 tensor, upcast; adapters merged or turned off): peft's module runs there."""
-    from peft.utils import UPCAST_DTYPES
-
-    stacks, m = {}, wrapper
-    while _is_wrapper(m):
-        w = m.get_param()
-        if m.merged or m.disable_adapters or any(getattr(torch, d, None) == w.dtype for d in UPCAST_DTYPES):
-            return None
-        adapters = [a for a in m.active_adapters if a in m.lora_A]
-        if len(adapters) == 1 and m.num_experts > 1 and hasattr(m, "get_delta_factors"):
-            lhs, rhs, scaling = m.get_delta_factors(adapters[0])
-            stacks[m.parameter_name] = torch.baddbmm(w, lhs, rhs, alpha=scaling)
-        else:
-            stacks[m.parameter_name] = w + sum(m.get_delta_weight(a) for a in adapters) if adapters else w
-        m = m.base_layer
-    return m, stacks
-
-
-def _folded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """peft's ``ParamWrapper`` forward as a trace on meta can record it: peft's own registers a parametrization
-    under ``torch.autocast`` of the tensor's device, which meta has none of."""
-    found = _adapted_stacks(self)
-    if found is None:
-        return type(self).forward(self, *args, **kwargs)
-    module, stacks = found
-    return torch.func.functional_call(module, stacks, args, kwargs, strict=False)
-
-
 def _own_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                  weights: list) -> torch.Tensor:  # fmt: skip
-    """LoRA-adapted experts as peft's ``ParamWrapper`` computes them (:func:`_adapted_stacks`), without the
+    """LoRA-adapted experts as peft's ``ParamWrapper`` computes them (:func:`adapted_tensors`), without the
     parametrization it registers on the experts module at each call, which dynamo cannot compile (a compiled layer
     recompiled it per layer until dynamo's limit, then ran eagerly)."""
-    found = _adapted_stacks(module)
+    found = adapted_tensors(module)
     if found is None:
         return module(hidden, top_k_index, top_k_weights)
     experts, stacks = found

@@ -39,9 +39,10 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
-from lightning_pp.split.experts import EXPERTS_OP, call_eager, eager_experts_fix, trace_parameter_adapters
+from lightning_pp.split.experts import EXPERTS_OP, call_eager, eager_experts_fix, opaque_adapted_experts
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
+from lightning_pp.split.peft_trace import traceable_adapters, untraced_adapters_fix
 from lightning_pp.split.profiling import describe_costs, flops_of
 from lightning_pp.split.pruned import StageModule, StageModules, sendable
 from lightning_pp.split.stage import (
@@ -108,7 +109,7 @@ class Tracer:
         with on_meta(module), patched(module, _trainer=None) if not entry else contextlib.nullcontext():
             self.skeleton = copy.deepcopy(model)
         _without_cache(self.skeleton)
-        trace_parameter_adapters(self.skeleton, self._prefix)
+        traceable_adapters(self.skeleton, opaque_adapted_experts(self.skeleton, self._prefix))
         self._traces: dict[tuple, _Trace] = {}
 
     def trace(self, train: bool, call: ModelCall) -> _Trace:
@@ -296,7 +297,7 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
             cause = inner if str(inner).strip() else cause  # type: ignore[assignment]
             inner = inner.__cause__
         reason = (str(cause).strip().splitlines() or [""])[0]
-        fix = eager_experts_fix(skeleton)
+        fix = eager_experts_fix(skeleton) or untraced_adapters_fix(skeleton)
         raise PipelineConfigError(
             f"split='trace' cannot trace and split {name} with torch.distributed.pipelining ({type(cause).__name__}:"
             f" {reason}). {fix + ', which trace, or use' if fix else 'Use'} {_ALTERNATIVES}."
