@@ -88,14 +88,15 @@ def test_lora_llama_on_meta_starts_as_transformers_and_peft_start_it():
 def test_what_a_library_cannot_start_on_meta_is_named():
     from peft import LoraConfig, get_peft_model
 
-    # an init drawn otherwise (orthogonal), DoRA (from the base weights): named at setup, init_adapter the fix
+    # an init drawn otherwise (orthogonal), DoRA (from the base weights): named at setup, init_adapter the fix; three
+    # modules shown (DoRA: 12, a magnitude, lora_A and lora_B in each of 4 layers)
     for config, said in [
         (dict(init_lora_weights="orthogonal"), "init_lora_weights=.orthogonal."),
-        (dict(use_dora=True), "DoraLinearVariant"),
+        (dict(use_dora=True), r"DoraLinearVariant, started from the base weights\) and 9 more\."),
     ]:
         model = _meta(HFLlama)
         model.model = get_peft_model(model.model, LoraConfig(r=4, target_modules=["q_proj"], **config))
-        with pytest.raises(PipelineConfigError, match=rf"layers\.0\.self_attn\.q_proj.*{said}.*init_adapter=DIR"):
+        with pytest.raises(PipelineConfigError, match=rf"layers\.\d\.self_attn\.q_proj.*{said}.*init_adapter=DIR"):
             check_initializers(model)
 
     class Scale(nn.Module):  # a parameter HF's _init_weights does not know, and no reset_parameters

@@ -55,11 +55,12 @@ def check_owners(module: nn.Module, owners: list[Owner]) -> None:
     if missing:
         shown = [
             f"'{o.name or '<root>'}' ({type(o.module).__name__}: {sorted(o.tensors)}{'; ' + why if why else ''})"
-            for o, why in missing
+            for o, why in missing[:3]
         ]
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""  # a peft model's every adapted layer
         raise PipelineConfigError(
             f"{type(module).__name__} was built on the meta device, but these modules own meta parameters or"
-            f" buffers and have no initialiser: {', '.join(shown)}. Give each a `reset_parameters(self)` that"
+            f" buffers and have no initialiser: {', '.join(shown)}{more}. Give each a `reset_parameters(self)` that"
             " initialises its own tensors, or pass PipelineStrategy(init_fn=fn) where fn(module, name) initialises"
             " any module's own tensors"
             + (
