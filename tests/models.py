@@ -668,9 +668,14 @@ class LoraLlama(HFLlama):
 
 class DoraLlama(LoraLlama):
     """``LoraLlama`` with DoRA (``use_dora=True``): each adapted Linear also trains a magnitude per output, whose
-    module peft calls with the layer's ``lora_A`` and ``lora_B``."""
+    module peft calls with the layer's ``lora_A`` and ``lora_B``; and transformers' gradient checkpointing on every
+    other layer, as fine-tune recipes turn it on (``activation_checkpointing_enable``)."""
 
     dora = True
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.model.activation_checkpointing_enable(every_n_layers=2)
 
 
 class LoraGPT(TinyGPT):

@@ -86,9 +86,12 @@ LORA = dict(model="lora_llama", split="trace", layers="model.base_model.model.mo
 @pytest.mark.parametrize("schedule,model", [("zbv", "lora_llama"), ("dualpipev", "dora_llama")])
 def test_lora_on_the_later_layers_of_a_traced_llama_under_v_schedules(schedule, model, tmp_path, reference):
     # adapters on layers 2 and 3 only: stages 0 and 1 (embedding, layers 0-1) train nothing. DoRA's magnitude module
-    # calls its layer's lora_A and lora_B, which torch's unflattening refused in the trace ("not a descendant")
+    # calls its layer's lora_A and lora_B, which torch's unflattening refused in the trace ("not a descendant");
+    # transformers' gradient checkpointing of layers 0 and 2, which the trace left out, recomputes them
     cfg = dict(LORA, model=model, schedule=schedule, devices=2, m=4, batch=8, n_train=24, n_layers=4)
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
+    said = "2 of 4 layers have transformers' gradient checkpointing on (gradient_checkpointing_enable()): each rank's"
+    assert job.output.count(said) == (model == "dora_llama"), job.output[-3000:]
     _assert_trained_as(job, reference(**_micro(cfg)), lambda key: ".lora_" in key, reference(**common(cfg)))
 
 

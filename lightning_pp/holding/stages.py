@@ -103,13 +103,14 @@ class Holding:
             if self.sharded:
                 made = shard_stages(
                     local, views, placement, self.shard_over, self.options, device, self.mp_policy, self.loaded,
-                    tracer, self._per_layer,
+                    tracer, self._per_layer(tracer),
                 )  # fmt: skip
             else:
                 if self.experts_over is not None:
                     shard_experts(local, self.experts_over)
                 materialize(local, device, init_fn=self.options.init_fn, loaded=self.loaded)
-                made = tracer.stages(views, device, self._per_layer) if tracer else pruned_stages(views, placement)
+                per_layer = self._per_layer(tracer)
+                made = tracer.stages(views, device, per_layer) if tracer else pruned_stages(views, placement)
             if tracer is None and self.options.compile is not None:  # traced pieces: their layers, in _per_layer
                 compile_layers(find_layers(local, placement.layers_path), self.options.compile)
             self._load_pretrained(local, pending)
@@ -178,12 +179,14 @@ class Holding:
         read = load_weights(*self.adapter, local)
         rank_zero_info(f"Rank 0 read {read / 2**20:.3f} MiB of its own stages' adapter tensors from init_adapter.")
 
-    @property
-    def _per_layer(self) -> Hook | None:
-        """What is done to each traced piece's layers: activation checkpointing, then compile."""
+    def _per_layer(self, tracer: Tracer | None) -> Hook | None:
+        """What is done to each traced piece's layers: activation checkpointing (of every layer, or of those the
+        model's own gradient checkpointing marks, which a trace does not record), then compile."""
         hooks: list[Hook] = []
-        if self.options.activation_checkpointing:
-            hooks.append(functools.partial(checkpoint_layers, once=self.options.split_backward))
+        marked = tracer.checkpointed if tracer is not None else frozenset()
+        if self.options.activation_checkpointing or marked:
+            only = None if self.options.activation_checkpointing else marked
+            hooks.append(functools.partial(checkpoint_layers, once=self.options.split_backward, only=only))
         if self.options.compile is not None:
             hooks.append(functools.partial(compile_layers, options=self.options.compile))
         return each_of(hooks)

@@ -18,7 +18,7 @@ saved tensor (a ReLU's result is read by both).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -27,11 +27,12 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 
-def checkpoint_layers(layers: Mapping[str, nn.Module], once: bool = False) -> None:
-    """Recompute each layer's activations in backward; random ops (dropout) replay the same draws. ``once``:
-    one recomputation shared by the passes of a split backward (the zero-bubble and V schedules)."""
-    for layer in layers.values():
-        if not getattr(layer.forward, "_recomputed", False):
+def checkpoint_layers(layers: Mapping[str, nn.Module], once: bool = False, only: Collection[str] | None = None) -> None:
+    """Recompute each layer's activations in backward (or those named in ``only``); random ops (dropout) replay the
+    same draws. ``once``: one recomputation shared by the passes of a split backward (the zero-bubble and V
+    schedules)."""
+    for name, layer in layers.items():
+        if (only is None or name in only) and not getattr(layer.forward, "_recomputed", False):
             layer.forward = _recomputed(layer.forward, once)  # type: ignore[method-assign]
 
 

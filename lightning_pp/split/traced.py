@@ -100,7 +100,16 @@ class Tracer:
         self.entry = entry
         self._prefix = entry + "." if entry else ""
         relative = layers[len(self._prefix) :]
-        keys = list(find_layers(module, layers))
+        found = find_layers(module, layers)
+        keys = list(found)
+        # transformers' gradient_checkpointing_enable() marks layers, whose checkpoint a trace does not record
+        self.checkpointed = frozenset(k for k, layer in found.items() if getattr(layer, "gradient_checkpointing", 0))
+        if self.checkpointed:
+            _say_once(
+                f"{layers}: {len(self.checkpointed)} of {len(keys)} layers have transformers' gradient checkpointing"
+                " on (gradient_checkpointing_enable()): each rank's traced pieces recompute them in backward, as"
+                " activation_checkpointing=True does, which a trace would otherwise leave out."
+            )
         firsts = [sum(counts[:s]) for s in range(1, len(counts))]
         self.split_points = [f"{relative}.{keys[i]}" for i in firsts]
         self.n_stages = len(counts)
