@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import ok, run_job
-from models import loader
+from models import HFLlama, loader
 from test_frozen import _micro
 from test_parity import common
 from test_tied import assert_state_equal, combined
@@ -129,3 +129,17 @@ def test_compile_true_with_fsdp_or_tensor_parallel_inside_stages(inside, tmp_pat
         assert dynamo["frames"]["ok"] == dynamo["frames"]["total"] > 0 and dynamo["stats"]["unique_graphs"] > 0, dynamo
     ref = reference(**(combined(cfg) if inside == "fsdp" else _micro(cfg)))
     assert_state_equal(job.state(), ref["state"], PARAM_TOL)
+
+
+def test_layers_compiled_in_place_are_refused_under_split_trace_with_the_fix():
+    # each rank's traced pieces call none of the model's modules: a Llama whose layers the user compiled ran eagerly
+    # in the pipeline (no frame compiled) where one process ran them compiled
+    from lightning_pp.errors import PipelineConfigError
+    from lightning_pp.split.traced import Tracer
+
+    module = HFLlama(n_layers=4)
+    for layer in module.model.model.layers:
+        layer.compile(backend="eager")
+    said = r"model\.model\.layers\.0 \(and 3 more\) was compiled in place .*PipelineStrategy\(compile=True\)"
+    with pytest.raises(PipelineConfigError, match=said):
+        Tracer(module, "model", "model.model.layers", (2, 2))

@@ -50,6 +50,7 @@ from lightning_pp.split.stage import (
     find_layers,
     find_ties,
     get_path,
+    is_compiled,
     kv_cache_configs,
     parts_and_params,
     patched,
@@ -114,6 +115,15 @@ class Tracer:
         self.split_points = [f"{relative}.{keys[i]}" for i in firsts]
         self.n_stages = len(counts)
         model = get_path(module, entry)
+        compiled = [self._prefix + n for n, m in model.named_modules() if is_compiled(m)]
+        if compiled:
+            raise PipelineConfigError(
+                f"{compiled[0]}{f' (and {len(compiled) - 1} more)' if len(compiled) > 1 else ''} was compiled in"
+                " place (`.compile()`), which split='trace' cannot keep: each rank's pieces run a trace of the model,"
+                " not its modules, so that compile would run eagerly, unseen. Remove those calls and pass"
+                " PipelineStrategy(compile=True) (or compile={'backend': ..., 'mode': ...}), which compiles the"
+                " layers of each rank's pieces."
+            )
         # deep-copied while every tensor is a meta stand-in (ties kept); a LightningModule's Trainer stays out
         with on_meta(module), patched(module, _trainer=None) if not entry else contextlib.nullcontext():
             self.skeleton = copy.deepcopy(model)
