@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ok, run_job
-from models import LoraBert, LoraLlama, TinyGPT
+from models import HFLlama, LoraBert, LoraLlama, TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal
 
@@ -186,3 +186,25 @@ def test_a_lora_classifier_trains_its_head_whole_and_exports_it_both_ways(tmp_pa
     model.model.save_pretrained(tmp_path / "saved")  # peft's own adapter directory starts the copy (init_adapter)
     _, weights = open_adapter(tmp_path / "saved", LoraBert())
     assert weights.keys[f"{head}.modules_to_save.default.weight"] == "base_model.model.classifier.weight"
+
+
+@pytest.mark.parametrize(
+    "lora",
+    [
+        dict(target_modules=["q_proj", "embed_tokens"], use_dora=True),
+        dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+        dict(target_modules=[], target_parameters=["mlp.up_proj.weight"]),
+    ],
+    ids=["dora-embedding", "modules_to_save", "parameters"],
+)
+def test_adapter_names_are_peft_s_own_file_names(lora):
+    # what --format peft writes and init_adapter reads: a LoRA embedding's lora_embedding_A.default and DoRA's
+    # lora_magnitude_vector.default.weight were named otherwise than peft's file names them (peft could not load them)
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    module = HFLlama(n_layers=2)
+    module.model = get_peft_model(module.model, LoraConfig(r=4, **lora))
+    site = adapter_sites(module)[0]
+    ours = {site.peft_key(n) for n, _ in module.named_parameters() if site.adapter_of(n) == "default"}
+    embedding = "base_model.model.model.embed_tokens.base_layer.weight"  # peft's save_embedding_layers="auto" extra
+    assert ours == set(get_peft_model_state_dict(module.model)) - {embedding}

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFLlama, LoraLlama, loader
+from models import DoraLlama, HFLlama, LoraLlama, loader
 from test_parity import assert_same_logs, common
 from torch import nn
 
@@ -26,8 +26,8 @@ LORA = dict(
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict[str, Path]:
-    """A pretrained HF Llama (seed 123, several shards), an adapter directory of LoraLlama whose adapters are
-    random (lora_B too: a start peft's initialisation never gives), and one of another rank (r=8)."""
+    """A pretrained HF Llama (seed 123, several shards), adapter directories of LoraLlama and of DoraLlama whose
+    adapters are random (lora_B too: a start peft's initialisation never gives), and one of another rank (r=8)."""
     from peft import LoraConfig, get_peft_model
 
     root = tmp_path_factory.mktemp("adapters")
@@ -39,9 +39,15 @@ def saved(tmp_path_factory) -> dict[str, Path]:
             if ".lora_" in name:
                 p.normal_(std=0.2)
     lora.model.save_pretrained(root / "adapter")
+    dora = DoraLlama()
+    with torch.no_grad():
+        for name, p in dora.named_parameters():
+            if ".lora_" in name:
+                p.normal_(mean=1.0 if "magnitude" in name else 0.0, std=0.2)
+    dora.model.save_pretrained(root / "dora")
     other = get_peft_model(HFLlama().model, LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     other.save_pretrained(root / "r8")
-    return {"llama": root / "llama", "adapter": root / "adapter", "r8": root / "r8"}
+    return {"llama": root / "llama", "adapter": root / "adapter", "dora": root / "dora", "r8": root / "r8"}
 
 
 def _meta(cls: type, **kwargs: object) -> nn.Module:
@@ -133,12 +139,15 @@ def test_lora_llama_on_meta_reads_the_base_by_itself_and_starts_from_the_pretrai
     assert abs(first - loss) <= LOSS_TOL, (first, loss)
 
 
-def test_init_adapter_starts_each_rank_from_its_adapter_tensors(saved, tmp_path, reference):
+@pytest.mark.parametrize("model,adapter,tensors", [("lora_llama", "adapter", 8), ("dora_llama", "dora", 12)])
+def test_init_adapter_starts_each_rank_from_its_adapter_tensors(model, adapter, tensors, saved, tmp_path, reference):
     # on meta, base from init_weights, adapters from the adapter directory (their modules need no initialiser);
-    # the one-process run loads the same directory with PeftModel.from_pretrained
-    cfg = dict(LORA, pretrained=str(saved["llama"]), init_adapter=str(saved["adapter"]))
+    # the one-process run loads the same directory with PeftModel.from_pretrained. DoRA's route on meta: peft's file
+    # names its magnitudes "lora_magnitude_vector" (no ".weight"), which the directory was refused for
+    cfg = dict(LORA, model=model, pretrained=str(saved["llama"]), init_adapter=str(saved[adapter]))
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
-    assert "start from init_adapter=" in job.output and "init_adapter: 8 tensors of adapter 'default'" in job.output
+    said = f"init_adapter: {tensors} tensors of adapter 'default'"
+    assert "start from init_adapter=" in job.output and said in job.output, job.output[-3000:]
     ref = reference(**common(cfg))
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     _assert_trained_equal(job.state(), ref["state"])

@@ -22,6 +22,7 @@ ADAPTER_CONFIG = "adapter_config.json"  # what PeftModel.save_pretrained writes 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _BASE_LAYER = ".base_layer"
 _ORIGINAL = ".original_module"  # in peft's ModulesToSaveWrapper: the module it wraps, frozen
+_MAGNITUDE = ".lora_magnitude_vector"  # DoRA's, one module per adapter
 _COPIES = ".modules_to_save"  # and each adapter's trained copy of it, at modules_to_save.<adapter>
 # peft's steps into the module it wraps; LoRA on two parameters of one module nests two (experts.base_layer.base_layer)
 _WRAPPED = re.compile(rf"(?:{re.escape(_BASE_LAYER)}|{re.escape(_ORIGINAL)})+\.")
@@ -65,13 +66,22 @@ class AdapterSite:
 
     def peft_key(self, name: str) -> Optional[str]:
         """``name`` as peft's adapter file names it (``base_model.model.<base names>``, the adapter's name out; a
-        ``modules_to_save`` copy under the name of the module it copies)."""
+        ``modules_to_save`` copy under the name of the module it copies), by peft's rules: the adapter's name is the
+        last step of a parameter (``lora_embedding_A.default``) or the one before a module's tensor
+        (``lora_A.default.weight``), and DoRA's magnitude keeps the name it had as a parameter
+        (``lora_magnitude_vector``, no ``.weight``)."""
         adapter = self.adapter_of(name)
         if adapter is None:
             return None
         if self.is_copy(name):
             return PEFT_FILE_PREFIX + str(self.base_key(name))
-        return PEFT_FILE_PREFIX + name[len(self.prefix) :].replace(f".{adapter}.", ".", 1)
+        rest = name[len(self.prefix) :].removesuffix(f"{_MAGNITUDE}.{adapter}.weight")
+        if rest != name[len(self.prefix) :]:
+            rest += _MAGNITUDE
+        if rest.endswith(f".{adapter}"):
+            return PEFT_FILE_PREFIX + rest[: -len(adapter) - 1]
+        module, _, tensor = rest.rpartition(".")
+        return PEFT_FILE_PREFIX + module.removesuffix(f".{adapter}") + "." + tensor
 
 
 def adapter_sites(module: nn.Module) -> list[AdapterSite]:
