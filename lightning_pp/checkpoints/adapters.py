@@ -75,9 +75,9 @@ class AdapterSite:
             return None
         if self.is_copy(name):
             return PEFT_FILE_PREFIX + str(self.base_key(name))
-        rest = name[len(self.prefix) :].removesuffix(f"{_MAGNITUDE}.{adapter}.weight")
-        if rest != name[len(self.prefix) :]:
-            rest += _MAGNITUDE
+        rest = name[len(self.prefix) :]
+        if rest.endswith(f"{_MAGNITUDE}.{adapter}.weight"):
+            rest = rest.removesuffix(".weight")
         if rest.endswith(f".{adapter}"):
             return PEFT_FILE_PREFIX + rest[: -len(adapter) - 1]
         module, _, tensor = rest.rpartition(".")

@@ -36,6 +36,12 @@ def checkpoint_layers(layers: Mapping[str, nn.Module], once: bool = False, only:
             layer.forward = _recomputed(layer.forward, once)  # type: ignore[method-assign]
 
 
+def marked_by_the_model(layers: Mapping[str, nn.Module]) -> frozenset[str]:
+    """The layers a model's own gradient checkpointing recomputes (transformers' ``gradient_checkpointing_enable``
+    marks each of its layers, or every ``every_n_layers``-th): a trace of the model records no checkpoint."""
+    return frozenset(name for name, layer in layers.items() if getattr(layer, "gradient_checkpointing", False))
+
+
 def _recomputed(forward: Callable[..., Any], once: bool) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():  # evaluation saves nothing anyway

@@ -92,7 +92,8 @@ def untraced_adapters_fix(model: nn.Module) -> str:
     other: dict[str, str] = {}
     for name, m in model.named_modules():
         if isinstance(m, BaseTunerLayer) and not isinstance(m, (LoraLayer, IA3Layer)):
-            other.setdefault(type(m).__module__.split(".")[2], name)
+            path = type(m).__module__.split(".")  # peft.tuners.<kind>.layer
+            other.setdefault(path[2] if len(path) > 2 else type(m).__name__, name)
     if not other:
         return ""
     kinds = ", ".join(f"{kind} at {name}" for kind, name in other.items())

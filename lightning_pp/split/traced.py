@@ -39,6 +39,7 @@ from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unfl
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
+from lightning_pp.memory.recompute import marked_by_the_model
 from lightning_pp.split.experts import EXPERTS_OP, call_eager, eager_experts_fix, opaque_adapted_experts
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
@@ -103,26 +104,17 @@ class Tracer:
         relative = layers[len(self._prefix) :]
         found = find_layers(module, layers)
         keys = list(found)
-        # transformers' gradient_checkpointing_enable() marks layers, whose checkpoint a trace does not record
-        self.checkpointed = frozenset(k for k, layer in found.items() if getattr(layer, "gradient_checkpointing", 0))
+        firsts = [sum(counts[:s]) for s in range(1, len(counts))]
+        self.split_points = [f"{relative}.{keys[i]}" for i in firsts]
+        self.n_stages = len(counts)
+        model = get_path(module, entry)
+        _refuse_compiled(model, self._prefix)
+        self.checkpointed = marked_by_the_model(found)  # recomputed by each rank's pieces (see Holding)
         if self.checkpointed:
             _say_once(
                 f"{layers}: {len(self.checkpointed)} of {len(keys)} layers have transformers' gradient checkpointing"
                 " on (gradient_checkpointing_enable()): each rank's traced pieces recompute them in backward, as"
                 " activation_checkpointing=True does, which a trace would otherwise leave out."
-            )
-        firsts = [sum(counts[:s]) for s in range(1, len(counts))]
-        self.split_points = [f"{relative}.{keys[i]}" for i in firsts]
-        self.n_stages = len(counts)
-        model = get_path(module, entry)
-        compiled = [self._prefix + n for n, m in model.named_modules() if is_compiled(m)]
-        if compiled:
-            raise PipelineConfigError(
-                f"{compiled[0]}{f' (and {len(compiled) - 1} more)' if len(compiled) > 1 else ''} was compiled in"
-                " place (`.compile()`), which split='trace' cannot keep: each rank's pieces run a trace of the model,"
-                " not its modules, so that compile would run eagerly, unseen. Remove those calls and pass"
-                " PipelineStrategy(compile=True) (or compile={'backend': ..., 'mode': ...}), which compiles the"
-                " layers of each rank's pieces."
             )
         # deep-copied while every tensor is a meta stand-in (ties kept); a LightningModule's Trainer stays out
         with on_meta(module), patched(module, _trainer=None) if not entry else contextlib.nullcontext():
@@ -258,6 +250,19 @@ def traced_placement(
 def _layer_costs(module: nn.Module, layers: str) -> Costs:
     costs = [float(sum(p.numel() for p in layer.parameters())) for layer in find_layers(module, layers).values()]
     return Costs(costs, 0.0, 0.0)
+
+
+def _refuse_compiled(model: nn.Module, prefix: str) -> None:
+    """The pieces call none of the model's modules: a compile of one of them would run eagerly, unseen."""
+    compiled = [prefix + n for n, m in model.named_modules() if is_compiled(m)]
+    if compiled:
+        raise PipelineConfigError(
+            f"{compiled[0]}{f' (and {len(compiled) - 1} more)' if len(compiled) > 1 else ''} was compiled in place"
+            " (`.compile()`), which split='trace' cannot keep: each rank's pieces run a trace of the model, not its"
+            " modules, so that compile would run eagerly, unseen. Remove those calls and pass"
+            " PipelineStrategy(compile=True) (or compile={'backend': ..., 'mode': ...}), which compiles the layers of"
+            " each rank's pieces."
+        )
 
 
 def _without_cache(skeleton: nn.Module) -> None:
