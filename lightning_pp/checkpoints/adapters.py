@@ -20,12 +20,12 @@ from torch import nn
 PEFT_FILE_PREFIX = "base_model.model."  # what peft's adapter files put ahead of the base model's names
 ADAPTER_CONFIG = "adapter_config.json"  # what PeftModel.save_pretrained writes into an adapter directory
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
-_BASE_LAYER = ".base_layer"
+BASE_LAYER = ".base_layer"  # peft's step into the module a wrapper wraps
 _ORIGINAL = ".original_module"  # in peft's ModulesToSaveWrapper: the module it wraps, frozen
 _MAGNITUDE = ".lora_magnitude_vector"  # DoRA's, one module per adapter
 _COPIES = ".modules_to_save"  # and each adapter's trained copy of it, at modules_to_save.<adapter>
 # peft's steps into the module it wraps; LoRA on two parameters of one module nests two (experts.base_layer.base_layer)
-_WRAPPED = re.compile(rf"(?:{re.escape(_BASE_LAYER)}|{re.escape(_ORIGINAL)})+\.")
+_WRAPPED = re.compile(rf"(?:{re.escape(BASE_LAYER)}|{re.escape(_ORIGINAL)})+\.")
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,11 @@ def adapter_sites(module: nn.Module) -> list[AdapterSite]:
     return sites
 
 
+def is_parameter_wrapper(m: nn.Module) -> bool:
+    """peft's ``ParamWrapper``: LoRA on one tensor of the module it wraps (nested, one per tensor)."""
+    return isinstance(getattr(m, "parameter_name", None), str) and hasattr(m, "lora_A")
+
+
 def parameter_wrappers(module: nn.Module) -> dict[str, dict[str, Any]]:
     """peft's LoRA on parameters rather than modules (``target_parameters``, its ``ParamWrapper``: an MoE's stacked
     experts weights), by the wrapper's name: the tensor it adapts (nested wrappers, one per parameter of a module,
@@ -107,14 +112,13 @@ def parameter_wrappers(module: nn.Module) -> dict[str, dict[str, Any]]:
     peft swapped in and out (a stack stored (experts, out, in)). The merged export cannot tell these from names."""
     found: dict[str, dict[str, Any]] = {}
     for name, m in _named_modules(module):
-        parameter = getattr(m, "parameter_name", None)
-        if not isinstance(parameter, str) or not hasattr(m, "lora_A"):
+        if not is_parameter_wrapper(m):
             continue
-        base, path = m.base_layer, f"{name}.base_layer"
-        while hasattr(base, "parameter_name"):
-            base, path = base.base_layer, f"{path}.base_layer"
+        base, path = m.base_layer, f"{name}{BASE_LAYER}"
+        while is_parameter_wrapper(base):
+            base, path = base.base_layer, f"{path}{BASE_LAYER}"
         found[name] = {
-            "weight": f"{path}.{parameter}",
+            "weight": f"{path}.{m.parameter_name}",
             "experts": int(m.num_experts),
             "swapped": bool(m._did_swap_in_out_features),
         }

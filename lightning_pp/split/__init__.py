@@ -5,5 +5,5 @@ between and after the layers (``stage``, learned by ``planning`` from one forwar
 several stages use (``tied``), and what torch's ``PipelineStage`` runs for a stage: the user's forward
 on a pruned view (``pruned``) or torch's traced pieces (``traced``).
 
-Imports: ``layout``, ``memory``.
+Imports: ``layout``, ``memory``, ``checkpoints`` (peft's names and wrappers, ``checkpoints.adapters``).
 """

@@ -29,9 +29,10 @@ from torch import fx, nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from lightning_pp.checkpoints.adapters import BASE_LAYER, is_parameter_wrapper
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.memory.materialize import without_data
-from lightning_pp.split.peft_trace import BASE, adapted_tensors, is_parameter_wrapper
+from lightning_pp.split.peft_trace import adapted_tensors
 from lightning_pp.split.stage import get_path
 
 
@@ -199,8 +200,8 @@ def adapted_experts(module: nn.Module) -> dict[str, nn.Module]:
         if not is_experts(m):
             continue
         outer = name
-        while outer.endswith(BASE) and is_parameter_wrapper(get_path(module, outer[: -len(BASE)])):
-            outer = outer[: -len(BASE)]
+        while outer.endswith(BASE_LAYER) and is_parameter_wrapper(get_path(module, outer[: -len(BASE_LAYER)])):
+            outer = outer[: -len(BASE_LAYER)]
         if outer != name:
             found[outer] = get_path(module, outer)
     return found

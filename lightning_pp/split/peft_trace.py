@@ -17,12 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-BASE = ".base_layer"  # peft's step into the module a wrapper wraps
-
-
-def is_parameter_wrapper(m: nn.Module) -> bool:
-    """peft's ``ParamWrapper``: LoRA on one tensor of the module it wraps (nested, one per tensor)."""
-    return isinstance(getattr(m, "parameter_name", None), str) and hasattr(m, "lora_A")
+from lightning_pp.checkpoints.adapters import BASE_LAYER, is_parameter_wrapper
 
 
 def adapted_tensors(wrapper: nn.Module) -> tuple[nn.Module, dict[str, torch.Tensor]] | None:
@@ -71,7 +66,7 @@ def traceable_adapters(skeleton: nn.Module, opaque: Iterable[str] = ()) -> None:
     trace as their fold; DoRA's magnitude modules as code of their layer."""
     outermost = list(opaque)
     for name, m in skeleton.named_modules():
-        if is_parameter_wrapper(m) and not any(name == o or name.startswith(o + BASE) for o in outermost):
+        if is_parameter_wrapper(m) and not any(name == o or name.startswith(o + BASE_LAYER) for o in outermost):
             outermost.append(name)
             m.forward = _folded_forward.__get__(m)  # type: ignore[method-assign]
         for magnitude in getattr(m, "lora_magnitude_vector", {}).values():
