@@ -4,8 +4,9 @@ Each rank of a real job spends about 7 s of CPU importing torch, Lightning and t
 it does anything, most of a small test job's cost on 2 cores. This server imports them once; for
 each job it forks a leader in a new session, which forks the ranks with the environment torchrun
 gives them (Lightning then starts no processes of its own, as under torchrun) and waits for all of
-them. Every rank runs ``job.run(cfg)`` whole, as a rank started by a launcher would. Tests of the
-launch itself and of failing jobs use Lightning's launcher instead (``run_job(..., launcher=True)``).
+them. Every rank runs ``job.run(cfg)`` whole, as a rank started by a launcher would, and fails as one
+would. Tests of the launch itself (a job started as a user starts it, a rank that dies under Lightning's
+launcher, each rank's own memory) use Lightning's launcher instead (``run_job(..., launcher=True)``).
 
 Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg", "env", "cwd", "output", "port"}``
 in; ``{"leader": pid}`` when started, then ``{"returncodes": [...]}`` when every rank has exited.

@@ -60,7 +60,7 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path, st
     # rank 0 dies halfway through writing the file; rank 1 dies after writing its shards, before the rename
     job = run_job({**BASE, "strategy": "pipeline", "devices": 2, "m": 2, "save_every": 2, "max_steps": 8,
                    "timeout": 30, "env": {FAULT_ENV: fault}, "state_dict_type": state_dict_type},
-                  tmp_path / "job", timeout=120, launcher=True)  # fmt: skip
+                  tmp_path / "job", timeout=120)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     ckpts = job.out / "ckpts"
     assert not (ckpts / "step=4.ckpt").exists()  # the save rank 1 died in never landed
@@ -79,7 +79,7 @@ def test_a_swap_cut_between_its_renames_is_recovered_by_the_next_run(tmp_path, r
     cfg = {**BASE, "strategy": "pipeline", "devices": 3, "m": 3, "batch": 6, "n_train": 36, "save_every": 2,
            "save_last": True, "state_dict_type": "sharded", "timeout": 30}  # fmt: skip
     env = {FAULT_ENV: "0:4:swapped", NO_EXCHANGE_ENV: "1"}
-    job = run_job({**cfg, "max_steps": 8, "env": env}, tmp_path / "job", timeout=120, launcher=True)
+    job = run_job({**cfg, "max_steps": 8, "env": env}, tmp_path / "job", timeout=120)
     ckpts = job.out / "ckpts"
     assert job.returncode != 0 and not (ckpts / "last.ckpt").exists(), job.output[-3000:]
     assert_all_ranks_gone(job.out, 3)

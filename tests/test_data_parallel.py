@@ -72,6 +72,6 @@ def test_two_replicas_of_a_v_schedule_across_two_loopback_nodes(tmp_path, ddp):
 
 def test_a_sampler_that_ignores_the_replica_fails_on_every_rank(tmp_path):
     job = run_job({**COMMON, "strategy": "pipeline", "devices": 2, "m": 2, "bad_sampler": True, "timeout": 30},
-                  tmp_path / "job", timeout=120, launcher=True)  # fmt: skip
+                  tmp_path / "job", timeout=120)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     assert job.output.count("The stages of one pipeline received different batches") >= 2, job.output[-3000:]

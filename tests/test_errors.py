@@ -173,7 +173,7 @@ def test_a_forward_that_pruned_stages_run_to_another_result_is_refused_on_every_
 
 def test_a_step_that_calls_the_model_twice_is_refused_on_every_rank(tmp_path):
     job = run_job(
-        dict(strategy="pipeline", devices=2, m=2, model="twice", sanity=0, timeout=30), tmp_path / "job", launcher=True
+        dict(strategy="pipeline", devices=2, m=2, model="twice", sanity=0, timeout=30), tmp_path / "job", timeout=90
     )
     assert job.returncode != 0 and job.seconds < 60
     assert "TwiceGPT.training_step calls the model more than once" in job.output
@@ -182,9 +182,7 @@ def test_a_step_that_calls_the_model_twice_is_refused_on_every_rank(tmp_path):
 
 
 def test_batch_that_does_not_split_fails_on_every_rank_before_training(tmp_path):
-    job = run_job(
-        dict(strategy="pipeline", devices=2, m=3, batch=8, timeout=30), tmp_path / "job", timeout=90, launcher=True
-    )
+    job = run_job(dict(strategy="pipeline", devices=2, m=3, batch=8, timeout=30), tmp_path / "job", timeout=90)
     assert job.returncode != 0 and job.seconds < 60
     message = "batch_size=8 has 8 samples, which does not split into n_microbatches=3 equal parts"
     assert job.output.count(message) >= 2, job.output[-3000:]
@@ -196,7 +194,6 @@ def test_partial_last_batch_that_cannot_split_is_reported_before_training(tmp_pa
         dict(strategy="pipeline", devices=2, m=4, batch=8, n_train=66, sanity=0, timeout=30),
         tmp_path / "job",
         timeout=90,
-        launcher=True,
     )
     assert job.returncode != 0 and job.seconds < 60
     assert job.output.count("The last training batch (66 samples, batch_size=8) has 2 samples") >= 2

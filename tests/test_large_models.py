@@ -105,7 +105,7 @@ def test_sharded_checkpoint_resumes_under_another_layout_reading_only_local_byte
 )
 def test_a_module_that_cannot_be_built_on_meta_stops_every_rank_with_the_fix(tmp_path, model, message):
     job = run_job(dict(strategy="pipeline", devices=2, m=2, model=model, build="init_module", timeout=30),
-                  tmp_path / "job", timeout=90, launcher=True)  # fmt: skip
+                  tmp_path / "job", timeout=90)  # fmt: skip
     assert job.returncode != 0 and job.seconds < 60
     assert job.output.count(message) >= 2, job.output[-3000:]  # on both ranks
     assert_all_ranks_gone(job.out, 2)

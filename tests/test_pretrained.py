@@ -157,7 +157,7 @@ def test_names_that_do_not_match_are_refused_with_what_is_missing(saved):
 
 def test_a_checkpoint_that_does_not_fit_stops_every_rank_before_training(saved, tmp_path):
     cfg = dict(LLAMA, n_layers=3, schedule="1f1b", devices=2, build="init_module", pretrained=str(saved["llama"]))
-    job = run_job({**cfg, "strategy": "pipeline", "timeout": 30}, tmp_path / "job", timeout=120, launcher=True)
+    job = run_job({**cfg, "strategy": "pipeline", "timeout": 30}, tmp_path / "job", timeout=120)
     assert job.returncode != 0 and job.seconds < 90, job.output[-3000:]
     assert job.output.count("that no tensor of HFLlama takes") >= 2, job.output[-3000:]  # on both ranks
 

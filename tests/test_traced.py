@@ -126,7 +126,7 @@ def test_what_cannot_be_traced_fails_on_every_rank_with_the_fix(tmp_path):
         ("gpt2_twice", "calls the model more than once"),
     ]:
         cfg = dict(GPT2, model=model, schedule="1f1b", devices=2, m=2, batch=8, n_train=16, timeout=30)
-        job = run_job({**cfg, "strategy": "pipeline"}, tmp_path / model, timeout=120, launcher=True)
+        job = run_job({**cfg, "strategy": "pipeline"}, tmp_path / model, timeout=120)
         assert job.returncode != 0 and job.seconds < 90, job.output[-3000:]
         assert message in job.output, job.output[-3000:]
 
