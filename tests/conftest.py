@@ -64,7 +64,7 @@ def run_job(
     cfg = {**cfg, "out": str(out)}
     start = time.monotonic()
     if command is None and not launcher and cfg.get("strategy") != "single":
-        codes, output = _FORKED.run(cfg, out.parent, env or {}, timeout)
+        codes, output = _FORKED.run({"cfg": cfg}, out.parent, env or {}, timeout)
         job = Job(subprocess.CompletedProcess([], max(codes, key=abs)), out, time.monotonic() - start)
         job.output = output
         return job
@@ -89,7 +89,8 @@ class _Forked:
         self._proc: subprocess.Popen | None = None
         self._count = 0
 
-    def run(self, cfg: dict[str, Any], cwd: Path, env: dict[str, str], timeout: float) -> tuple[list[int], str]:
+    def run(self, job: dict[str, Any], cwd: Path, env: dict[str, str], timeout: float) -> tuple[list[int], str]:
+        """``job``: ``{"cfg": ...}`` for tests/job.py's ranks, or ``{"script": path}`` for ``python path``."""
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
                 [sys.executable, str(HERE / "forked.py")], env=child_env(), stdin=subprocess.PIPE,
@@ -97,7 +98,7 @@ class _Forked:
             )  # fmt: skip
         self._count += 1
         output = cwd / f".job{self._count}.log"
-        request = dict(cfg=cfg, env=env, cwd=str(cwd), output=str(output), port=free_port())
+        request = dict(job, env=env, cwd=str(cwd), output=str(output), port=free_port())
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._proc.stdin.write(json.dumps(request) + "\n")
         leader = json.loads(self._proc.stdout.readline())["leader"]
@@ -105,12 +106,19 @@ class _Forked:
         if not ready:
             os.killpg(leader, signal.SIGKILL)
             self._proc.stdout.readline()
-            raise subprocess.TimeoutExpired(str(cfg), timeout, output=output.read_text())
+            raise subprocess.TimeoutExpired(str(job), timeout, output=output.read_text())
         codes = json.loads(self._proc.stdout.readline())["returncodes"]
         return codes, output.read_text()
 
 
 _FORKED = _Forked()
+
+
+def run_script(script: Path, timeout: float) -> tuple[int, str]:
+    """``python script`` in its directory, its first process forked from the fork server (see ``forked.py``):
+    the exit status and what it printed."""
+    codes, output = _FORKED.run({"script": str(script)}, script.parent, {}, timeout)
+    return codes[0], output
 
 
 def free_port() -> int:

@@ -8,14 +8,18 @@ them. Every rank runs ``job.run(cfg)`` whole, as a rank started by a launcher wo
 would. Tests of the launch itself (a job started as a user starts it, a rank that dies under Lightning's
 launcher, each rank's own memory) use Lightning's launcher instead (``run_job(..., launcher=True)``).
 
-Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg", "env", "cwd", "output", "port"}``
-in; ``{"leader": pid}`` when started, then ``{"returncodes": [...]}`` when every rank has exited.
+A request with a ``script`` in place of a ``cfg`` runs that file as ``python SCRIPT`` would, in one forked
+process (only the first process's imports are saved): the docs' blocks.
+
+Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg" or "script", "env", "cwd", "output",
+"port"}`` in; ``{"leader": pid}`` when started, then ``{"returncodes": [...]}`` when every rank has exited.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import runpy
 import sys
 import traceback
 
@@ -42,18 +46,32 @@ def _rank(request: dict, rank: int, world: int) -> None:
     os._exit(code)
 
 
+def _script(request: dict) -> None:
+    """``python SCRIPT`` with its imports done: Lightning's launcher starts the other ranks, fresh, by re-running
+    the file, and the process ends as Python ends one (atexit, logging), with the status Python would give."""
+    os.environ.update(request["env"])
+    try:
+        runpy.run_path(request["script"], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:  # noqa: B036
+        traceback.print_exc()
+        sys.exit(1)
+    sys.exit(0)
+
+
 def _lead(request: dict) -> None:
     os.setsid()  # the test kills the whole job on a timeout
     os.chdir(request["cwd"])
     out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(out, 1)
     os.dup2(out, 2)
-    world = int(request["cfg"]["devices"])
+    world = 1 if "script" in request else int(request["cfg"]["devices"])
     pids = []
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            _rank(request, rank, world)
+            _script(request) if "script" in request else _rank(request, rank, world)
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     with open(request["output"] + ".codes", "w") as f:

@@ -2,19 +2,19 @@
 
 A block marked ```python fragment is an excerpt (part of a class, a Trainer that needs more devices than a
 test machine has) and is only required to parse. Each runnable block runs in a fresh directory, as a user
-would paste it into a file, so Lightning's launcher can start its other ranks by re-running that file.
+would paste it into a file and run it with ``python``, so Lightning's launcher starts its other ranks by
+re-running that file in fresh processes (the first process is forked from one that has imported torch and
+Lightning: ``forked.py``).
 """
 
 from __future__ import annotations
 
 import ast
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import child_env
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -47,10 +47,8 @@ def test_fragment_parses(where: str, code: str) -> None:
 def test_block_runs(where: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(code)
-    run = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True, timeout=240
-    )
-    assert run.returncode == 0, f"{where} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    returncode, output = run_script(script, timeout=240)
+    assert returncode == 0, f"{where} failed:\n{output[-8000:]}"
 
 
 def test_the_examples_a_page_shows_are_the_files() -> None:
