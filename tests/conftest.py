@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,7 +91,8 @@ class _Forked:
         self._count = 0
 
     def run(self, job: dict[str, Any], cwd: Path, env: dict[str, str], timeout: float) -> tuple[list[int], str]:
-        """``job``: ``{"cfg": ...}`` for tests/job.py's ranks, or ``{"script": path}`` for ``python path``."""
+        """``job``: ``{"cfg": ...}`` for tests/job.py's ranks, ``{"script": path}`` for ``python path``, or
+        ``{"module": name, "argv": [...], "stderr": path}`` for ``python -m name ...`` (see ``forked.py``)."""
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen(
                 [sys.executable, str(HERE / "forked.py")], env=child_env(), stdin=subprocess.PIPE,
@@ -119,6 +121,16 @@ def run_script(script: Path, timeout: float) -> tuple[int, str]:
     the exit status and what it printed."""
     codes, output = _FORKED.run({"script": str(script)}, script.parent, {}, timeout)
     return codes[0], output
+
+
+def run_module(
+    module: str, argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """``python -m module *argv`` in ``cwd``, its first process forked from the fork server (see ``forked.py``),
+    what it printed to stdout and to stderr apart."""
+    stderr = Path(tempfile.mkstemp(prefix=".stderr", dir=cwd)[1])
+    codes, stdout = _FORKED.run({"module": module, "argv": argv, "stderr": str(stderr)}, cwd, env or {}, timeout)
+    return subprocess.CompletedProcess([module, *argv], codes[0], stdout, stderr.read_text())
 
 
 def free_port() -> int:

@@ -8,11 +8,13 @@ them. Every rank runs ``job.run(cfg)`` whole, as a rank started by a launcher wo
 would. Tests of the launch itself (a job started as a user starts it, a rank that dies under Lightning's
 launcher, each rank's own memory) use Lightning's launcher instead (``run_job(..., launcher=True)``).
 
-A request with a ``script`` in place of a ``cfg`` runs that file as ``python SCRIPT`` would, in one forked
-process (only the first process's imports are saved): the docs' blocks.
+A request with a ``script`` (the docs' blocks) or a ``module`` and its ``argv`` (the apps) in place of a
+``cfg`` runs as ``python SCRIPT`` or ``python -m MODULE ARGV`` would, in one forked process: only the
+first process's imports are saved.
 
-Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg" or "script", "env", "cwd", "output",
-"port"}`` in; ``{"leader": pid}`` when started, then ``{"returncodes": [...]}`` when every rank has exited.
+Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg" or "script" or "module" and "argv",
+"env", "cwd", "output", optionally "stderr", "port"}`` in; ``{"leader": pid}`` when started, then
+``{"returncodes": [...]}`` when every rank has exited.
 """
 
 from __future__ import annotations
@@ -47,11 +49,16 @@ def _rank(request: dict, rank: int, world: int) -> None:
 
 
 def _script(request: dict) -> None:
-    """``python SCRIPT`` with its imports done: Lightning's launcher starts the other ranks, fresh, by re-running
-    the file, and the process ends as Python ends one (atexit, logging), with the status Python would give."""
+    """``python SCRIPT`` (or ``python -m MODULE ARGV``) with its imports done: Lightning's launcher starts the
+    other ranks, fresh, by re-running the command, and the process ends as Python ends one (atexit, logging),
+    with the status Python would give."""
     os.environ.update(request["env"])
+    sys.argv = ["", *request.get("argv", [])]  # argv[0]: set by runpy, as by Python
     try:
-        runpy.run_path(request["script"], run_name="__main__")
+        if "module" in request:
+            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(request["script"], run_name="__main__")
     except SystemExit:
         raise
     except BaseException:  # noqa: B036
@@ -65,13 +72,13 @@ def _lead(request: dict) -> None:
     os.chdir(request["cwd"])
     out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(out, 1)
-    os.dup2(out, 2)
-    world = 1 if "script" in request else int(request["cfg"]["devices"])
+    os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if "stderr" in request else out, 2)
+    world = int(request["cfg"]["devices"]) if "cfg" in request else 1
     pids = []
     for rank in range(world):
         pid = os.fork()
         if pid == 0:
-            _script(request) if "script" in request else _rank(request, rank, world)
+            _rank(request, rank, world) if "cfg" in request else _script(request)
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     with open(request["output"] + ".codes", "w") as f:

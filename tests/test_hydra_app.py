@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, free_port, run_two_nodes
+from conftest import child_env, free_port, run_module, run_two_nodes
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 
@@ -30,9 +30,9 @@ def compose_app(*overrides: str):
         return compose("config", overrides=list(overrides), return_hydra_config=True)
 
 
-def app(args: list[str], cwd: Path, timeout: float = 240, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "lightning_pp.train", *args], cwd=cwd, env=env or child_env(),
-                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+def app(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m lightning_pp.train *args``, as a user runs it (its first process's imports done once)."""
+    return run_module("lightning_pp.train", args, cwd, timeout)
 
 
 def logged_losses(run_dir: Path) -> list[float]:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env
+from conftest import child_env, run_module
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from torch import nn
@@ -147,8 +147,7 @@ def test_the_planner_app_writes_a_ranked_plan_whose_rows_run(tmp_path):
     overrides = ["plan.schedules=[1f1b,gpipe,zbv]", "plan.microbatches=[2,4]", "plan.activation_checkpointing=[false]",
                  "plan.verify_top=1", "plan.verify_steps=4", "plan.calibrate_steps=4", "plan.top=5",
                  "data.n_train=64"]  # fmt: skip
-    run = subprocess.run([sys.executable, "-m", "lightning_pp.plan", *overrides, f"hydra.run.dir={tmp_path}"],
-                         env=child_env(), capture_output=True, text=True, timeout=400)  # fmt: skip
+    run = run_module("lightning_pp.plan", [*overrides, f"hydra.run.dir={tmp_path}"], tmp_path, timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     last = run.stdout.strip().splitlines()[-1]
     assert last == f"plan: {tmp_path / 'plan.csv'}"
