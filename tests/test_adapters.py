@@ -94,16 +94,15 @@ def test_lora_llama_on_meta_starts_as_transformers_and_peft_start_it():
 def test_what_a_library_cannot_start_on_meta_is_named():
     from peft import LoraConfig, get_peft_model
 
-    # an init drawn otherwise (orthogonal), DoRA (from the base weights): named at setup, init_adapter the fix; three
-    # modules shown (DoRA: 12, a magnitude, lora_A and lora_B in each of 4 layers)
-    for config, said in [
-        (dict(init_lora_weights="orthogonal"), "init_lora_weights=.orthogonal."),
-        (dict(use_dora=True), r"DoraLinearVariant, started from the base weights\) and 9 more\."),
-    ]:
-        model = _meta(HFLlama)
-        model.model = get_peft_model(model.model, LoraConfig(r=4, target_modules=["q_proj"], **config))
-        with pytest.raises(PipelineConfigError, match=rf"layers\.\d\.self_attn\.q_proj.*{said}.*init_adapter=DIR"):
-            check_initializers(model)
+    # an init drawn from the base otherwise (orthogonal): named at setup, init_adapter the fix; three modules shown
+    # of 8 (lora_A and lora_B in each of 4 layers)
+    model = _meta(HFLlama)
+    model.model = get_peft_model(
+        model.model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="orthogonal")
+    )
+    said = r"init_lora_weights=.orthogonal.; on meta: True, False or 'gaussian'\) and 5 more\."
+    with pytest.raises(PipelineConfigError, match=rf"layers\.\d\.self_attn\.q_proj.*{said}.*init_adapter=DIR"):
+        check_initializers(model)
 
     class Scale(nn.Module):  # a parameter HF's _init_weights does not know, and no reset_parameters
         def __init__(self) -> None:
@@ -120,14 +119,38 @@ def test_what_a_library_cannot_start_on_meta_is_named():
         materialize(model)
 
 
-def test_lora_llama_on_meta_reads_the_base_by_itself_and_starts_from_the_pretrained_loss(saved, tmp_path, reference):
+def test_dora_on_meta_starts_its_magnitudes_as_peft_does_from_the_base():
+    """Each magnitude is peft's start (the norm of W + scaling B A per output) from the base materialised
+    before it, under the name rule: one process calling materialize gets the same."""
+    from peft.tuners.lora.dora import DoraLinearLayer
+
+    model = _meta(DoraLlama)
+    check_initializers(model)  # accepted without init_fn or init_adapter
+    materialize(model)
+    layers = [m for m in model.modules() if "default" in getattr(m, "lora_magnitude_vector", {})]
+    assert len(layers) == 4
+    for layer in layers:
+        lora_weight = layer.lora_B["default"].weight @ layer.lora_A["default"].weight
+        expected = DoraLinearLayer(False).get_weight_norm(
+            layer.base_layer.weight, lora_weight, layer.scaling["default"]
+        )
+        assert torch.equal(layer.lora_magnitude_vector["default"].weight, expected)
+        assert 0 < float(expected.min()) and not torch.equal(expected, torch.ones_like(expected))
+
+
+@pytest.mark.parametrize("model,tensors", [("lora_llama", "8 adapter tensors (lora_A, lora_B)"),
+                                          ("dora_llama", "12 adapter tensors (lora_A, lora_B, lora_magnitude_vector)")])  # fmt: skip
+def test_lora_llama_on_meta_reads_the_base_by_itself_and_starts_from_the_pretrained_loss(
+    saved, tmp_path, reference, model, tensors
+):
     # no init_weights_keys, no init_fn: the base under peft's names found in the HF directory, the adapters started
-    # by peft's rule; the first loss is the pretrained model's own, and the run is one process's
+    # by peft's rule (DoRA's magnitudes from the base read, not the one materialised); the first loss is the
+    # pretrained model's own, and the run is one process's
     from transformers import AutoModelForCausalLM
 
-    cfg = dict(LORA, pretrained=str(saved["llama"]))
+    cfg = dict(LORA, model=model, pretrained=str(saved["llama"]))
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=240))
-    assert job.output.count("8 adapter tensors (lora_A, lora_B) start from peft's initialisation") == 1
+    assert job.output.count(f"{tensors} start from peft's initialisation") == 1, job.output[-3000:]
     ref = reference(**common(cfg))
     assert_same_logs(job.rank(0), ref, LOSS_TOL)
     _assert_trained_equal(job.state(), ref["state"])

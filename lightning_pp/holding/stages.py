@@ -33,6 +33,7 @@ from lightning_pp.checkpoints.restore import PendingRestore, restore_stage
 from lightning_pp.holding.compiled import Hook, compile_layers, each_of
 from lightning_pp.holding.sharding import repoint_optimizers, shard_stages
 from lightning_pp.layout.options import PipelineOptions
+from lightning_pp.memory.initializers import start_from_base
 from lightning_pp.memory.materialize import materialize
 from lightning_pp.memory.recompute import checkpoint_layers
 from lightning_pp.split.experts import shard_experts
@@ -167,6 +168,7 @@ class Holding:
                 return
         self.base = read_base(pretrained.path, local, weights)
         read = load_weights(pretrained, weights, local)
+        start_from_base(local, weights.keys)
         rank_zero_info(f"Rank 0 read {read / 2**20:.3g} MiB of its own stages' tensors from init_weights.")
 
     def _load_adapter(self, local: nn.Module, pending: PendingRestore | None) -> None:

@@ -4,9 +4,10 @@
 model's ``_init_weights(module)`` (what ``from_config`` runs); a peft LoRA layer, after its adapters' modules:
 ``reset_lora_parameters(adapter, init_lora_weights)`` by its adapter's config (what ``get_peft_model`` runs, so
 ``lora_B`` starts at zero); any other module: its own ``reset_parameters()``. What a library sets by type is
-checked afterwards (a tensor its initialiser does not know would stay uninitialised); what cannot be drawn
-without the base weights (PiSSA-like inits, DoRA, other tuners) is named. The libraries are looked up only where
-the user's code imported them.
+checked afterwards (a tensor its initialiser does not know would stay uninitialised); DoRA's magnitudes are
+computed by peft from the base weights, after ``init_weights`` reads them where it does (``start_from_base``);
+what else cannot be drawn without the base weights (PiSSA-like inits, other variants and tuners) is named.
+The libraries are looked up only where the user's code imported them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import InitFn
 
 INIT_METHODS = ("reset_parameters", "_reset_parameters")
+_MAGNITUDE = "lora_magnitude_vector"  # peft's DoRA: a module per adapter, started from the base weights
+_BASE = "base_layer"  # the module a peft layer wraps
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Rule:
 
     pretrained: nn.Module | None = None  # the innermost transformers PreTrainedModel holding it: its _init_weights
     lora: tuple[tuple[str, Any], ...] = ()  # a peft LoRA layer: (adapter, init_lora_weights) for each adapter
+    dora: tuple[tuple[str, Any], ...] = ()  # of those, (adapter, its config) for each DoRA one: a magnitude
     tuner: str = ""  # inside an adapter of this peft tuner layer (qualified name), which initialises it afterwards
     unknown: str = ""  # why its initialisation cannot be known without the base weights
     seed_name: str = ""  # the name whose seed it draws under, if not its own: a modules_to_save copy's original
@@ -123,25 +127,27 @@ def _copies_draw_as_their_originals(root: nn.Module, prefix: str, rules: dict[st
 
 
 def _tuner_rule(name: str, layer: nn.Module, configs: dict[str, Any]) -> Rule:
-    """A peft LoRA layer resets each adapter by its config's ``init_lora_weights`` (as ``update_layer`` does);
-    inits drawn from the base weights (PiSSA, OLoRA, LoftQ, ...), variants (DoRA) and other tuners cannot be
-    known on meta."""
+    """A peft LoRA layer resets each adapter by its config's ``init_lora_weights`` (as ``update_layer`` does), and
+    starts DoRA's magnitude from the base; inits drawn from the base weights (PiSSA, OLoRA, LoftQ, ...), other
+    variants and other tuners cannot be known on meta."""
     lora_type = _imported("peft.tuners.lora.layer", "LoraLayer")
     if lora_type is None or not isinstance(layer, lora_type):
         return Rule(
             unknown=f"inside peft's {type(layer).__name__} layer '{name}': lightning-pp starts LoRA layers only"
         )
-    adapters = []
+    adapters, dora = [], []
     for adapter in getattr(layer, "r", {}):
         init = getattr(configs.get(adapter), "init_lora_weights", None)
         variant = getattr(layer, "lora_variant", {}).get(adapter)
         where = f"peft's LoRA layer '{name}' (adapter {adapter!r})"
-        if variant is not None:
-            return Rule(unknown=f"{where} is a {type(variant).__name__}, started from the base weights")
+        if adapter in getattr(layer, _MAGNITUDE, {}):
+            dora.append((adapter, configs.get(adapter)))
+        elif variant is not None:
+            return Rule(unknown=f"{where} is a {type(variant).__name__}, which lightning-pp does not start on meta")
         if not (init is True or init is False or (isinstance(init, str) and init.lower() == "gaussian")):
             return Rule(unknown=f"{where} starts with init_lora_weights={init!r}; on meta: True, False or 'gaussian'")
         adapters.append((adapter, init))
-    return Rule(lora=tuple(adapters))
+    return Rule(lora=tuple(adapters), dora=tuple(dora))
 
 
 def _imported(module: str, name: str) -> Any:
@@ -163,15 +169,51 @@ def meta_owners(module: nn.Module, prefix: str, loaded: Collection[str], rules: 
     adapters' Linears). A module runs it when it owns a meta tensor that no checkpoint sets (``loaded``); a
     LoRA layer, when one of its adapters' tensors is such.
     """
+    modules = [(_join(prefix, name), m) for name, m in module.named_modules()]
+    loaded = {*loaded, *(t for q, m in modules for t in _started_from_read_base(m, q, rules, loaded))}
     owners = []
-    for name, m in reversed(list(module.named_modules())):
-        qualified = _join(prefix, name)
+    for qualified, m in reversed(modules):
         rule = rules.get(qualified, _PLAIN)
         named = _adapter_tensors(m) if rule.lora else named_own(m)
         tensors = tuple(n for n, t in named if t.is_meta and _join(qualified, n) not in loaded)
         if tensors:
             owners.append(Owner(qualified, m, tensors, rule))
     return owners
+
+
+def _started_from_read_base(
+    layer: nn.Module, qualified: str, rules: dict[str, Rule], loaded: Collection[str]
+) -> Iterator[str]:
+    """DoRA's magnitudes of a layer whose base a checkpoint sets: started after it is read (``start_from_base``)."""
+    rule = rules.get(qualified, _PLAIN)
+    if rule.dora and _base_read(layer, qualified, loaded):
+        yield from (f"{qualified}.{_MAGNITUDE}.{adapter}.weight" for adapter, _ in rule.dora)
+
+
+def _base_read(layer: nn.Module, qualified: str, loaded: Collection[str]) -> bool:
+    return any(_join(qualified, n) in loaded for n, _ in _named_all(layer) if n.startswith(f"{_BASE}."))
+
+
+def start_from_base(module: nn.Module, read: Collection[str]) -> None:
+    """DoRA's magnitudes of the layers whose base ``init_weights`` has just read (``read``: qualified names), by
+    peft's own start: materialising the stage computed none from a base not read yet."""
+    for name, rule in library_rules(module).items():
+        layer = module.get_submodule(name)
+        if rule.dora and _base_read(layer, name, read):
+            for adapter, config in rule.dora:
+                _start_magnitude(layer, adapter, config)
+
+
+def _start_magnitude(layer: Any, adapter: str, config: Any) -> None:
+    """peft's DoRA start (its variant's ``init``: per output, the norm of the base weight plus the scaled
+    ``lora_B @ lora_A``) written into the magnitude the layer holds, whose module and Parameter stay (optimizers,
+    a trace's skeleton); the variant builds a new module, which is dropped."""
+    held = getattr(layer, _MAGNITUDE)[adapter]
+    with torch.no_grad():
+        layer.lora_variant[adapter].init(layer, adapter_name=adapter, config=config)
+        started = getattr(layer, _MAGNITUDE)[adapter].weight
+        getattr(layer, _MAGNITUDE)[adapter] = held
+        held.weight.copy_(started)
 
 
 def _adapter_tensors(layer: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -199,7 +241,8 @@ def initializer(owner: Owner, init_fn: InitFn | None) -> Callable[[], Any] | str
         return rule.unknown
     if rule.lora:
         pending = {n.split(".")[1] for n in owner.tensors}  # the adapters some checkpoint does not set
-        return functools.partial(_reset_lora, owner.module, [(a, init) for a, init in rule.lora if a in pending])
+        dora = [(a, c) for a, c in rule.dora if f"{_MAGNITUDE}.{a}.weight" in owner.tensors]
+        return functools.partial(_reset_lora, owner.module, [(a, init) for a, init in rule.lora if a in pending], dora)
     own = next((getattr(owner.module, m) for m in INIT_METHODS if callable(getattr(owner.module, m, None))), None)
     if rule.pretrained is not None:
         return functools.partial(_init_hf, rule.pretrained, owner.module, own)
@@ -210,9 +253,13 @@ def initializer(owner: Owner, init_fn: InitFn | None) -> Callable[[], Any] | str
     return ""
 
 
-def _reset_lora(layer: Any, adapters: list[tuple[str, Any]]) -> None:
+def _reset_lora(layer: Any, adapters: list[tuple[str, Any]], dora: list[tuple[str, Any]]) -> None:
+    """As ``update_layer`` starts each adapter: its factors, then (DoRA) its magnitude from the base and them (the
+    base is a child: started or read already)."""
     for adapter, init in adapters:
         layer.reset_lora_parameters(adapter, init)
+    for adapter, config in dora:
+        _start_magnitude(layer, adapter, config)
 
 
 def _init_hf(model: Any, module: nn.Module, own: Callable[[], Any] | None) -> None:
