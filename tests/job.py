@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed.checkpoint  # noqa: E402,F401  (imported before reads are counted)
 from models import (  # noqa: E402
     HFGPT2,
+    HFGPTJ,
     HFOPT,
     MOE,
     BatchNormGPT,
@@ -100,6 +101,7 @@ MODELS = {
     "llama": HFLlama,
     "olmo3": HFOlmo3,
     "vit": HFViT,
+    "gptj": HFGPTJ,
     "opt": HFOPT,
     "batchnorm": BatchNormGPT,
     "frozen": FrozenGPT,

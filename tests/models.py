@@ -506,6 +506,22 @@ class HFOPT(HFLlama):
         self.model = OPTForCausalLM(config)
 
 
+class HFGPTJ(HFLlama):
+    """Hugging Face's ``GPTJForCausalLM``: every layer gathers its rotary table with the model's ``position_ids``,
+    an integer tensor the stages hand on (torch's first-step shape inference made it of ``torch.empty``)."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import GPTJConfig, GPTJForCausalLM
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = GPTJConfig(
+            vocab_size=32, n_embd=32, n_layer=n_layers, n_head=4, rotary_dim=4, n_positions=16, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.model = GPTJForCausalLM(config)
+
+
 class HFBertClassifier(HFLlama):
     """Hugging Face's ``BertForSequenceClassification``: its forward reads the pooler's output by position
     (``outputs[1]``), which a stage without the pooler does not have."""

@@ -138,8 +138,11 @@ def test_dora_on_meta_starts_its_magnitudes_as_peft_does_from_the_base():
         assert 0 < float(expected.min()) and not torch.equal(expected, torch.ones_like(expected))
 
 
-@pytest.mark.parametrize("model,tensors", [("lora_llama", "8 adapter tensors (lora_A, lora_B)"),
-                                          ("dora_llama", "12 adapter tensors (lora_A, lora_B, lora_magnitude_vector)")])  # fmt: skip
+@pytest.mark.parametrize(
+    "model,tensors",
+    [("lora_llama", "8 adapter tensors (lora_A, lora_B)"),
+     ("dora_llama", "12 adapter tensors (lora_A, lora_B, lora_magnitude_vector)")],
+)  # fmt: skip
 def test_lora_llama_on_meta_reads_the_base_by_itself_and_starts_from_the_pretrained_loss(
     saved, tmp_path, reference, model, tensors
 ):

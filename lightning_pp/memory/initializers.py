@@ -254,8 +254,8 @@ def initializer(owner: Owner, init_fn: InitFn | None) -> Callable[[], Any] | str
 
 
 def _reset_lora(layer: Any, adapters: list[tuple[str, Any]], dora: list[tuple[str, Any]]) -> None:
-    """As ``update_layer`` starts each adapter: its factors, then (DoRA) its magnitude from the base and them (the
-    base is a child: started or read already)."""
+    """As ``update_layer`` starts each adapter: its factors, then (DoRA) its magnitude from them and the base (a
+    child, started before its parent)."""
     for adapter, init in adapters:
         layer.reset_lora_parameters(adapter, init)
     for adapter, config in dora:

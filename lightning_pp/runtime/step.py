@@ -29,6 +29,7 @@ from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule, schedul
 from lightning_pp.lifecycle.failure import failures_shared
 from lightning_pp.memory.allocator import training_step_begins, trim_before_backward
 from lightning_pp.runtime.forecast import ForecastCheck
+from lightning_pp.runtime.inference_inputs import zeroed_inference_inputs
 from lightning_pp.runtime.metrics import MetricTap
 from lightning_pp.runtime.recompiles import RecompileWatch
 from lightning_pp.runtime.relay import LogRecorder, StepReport, combine
@@ -217,9 +218,9 @@ class PipelineRunner:
         if key not in self._schedules:
             wrappers = self._make_stages(train, call)
             stages = [
-                exact_split_backward(buffers_kept_through_metadata_inference(
+                exact_split_backward(buffers_kept_through_metadata_inference(zeroed_inference_inputs(
                     PipelineStage(self._replicated(w), index, self.n_stages, self.device, group=self.group)
-                ))
+                )))
                 for w, index in zip(wrappers, self.stage_indices)
             ]  # fmt: skip
             schedule = self._build(stages, n_microbatches, train)
