@@ -522,6 +522,22 @@ class HFGPTJ(HFLlama):
         self.model = GPTJForCausalLM(config)
 
 
+class HFFalcon(HFLlama):
+    """Hugging Face's ``FalconForCausalLM`` (the new decoder architecture, grouped keys and values): its attention
+    indexes the fused projection with lists (``qkv[:, :, :, [-2]]``), which the tracer makes tensors of."""
+
+    def __init__(self, n_layers: int = 4, lr: float = 1e-2, optimizer: str = "adamw", **_: object) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import FalconConfig, FalconForCausalLM
+
+        self.save_hyperparameters({"n_layers": n_layers, "lr": lr, "optimizer": optimizer})
+        config = FalconConfig(
+            vocab_size=32, hidden_size=32, num_hidden_layers=n_layers, num_attention_heads=4, num_kv_heads=2,
+            new_decoder_architecture=True, max_position_embeddings=16, use_cache=False, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        self.model = FalconForCausalLM(config)
+
+
 class HFBertClassifier(HFLlama):
     """Hugging Face's ``BertForSequenceClassification``: its forward reads the pooler's output by position
     (``outputs[1]``), which a stage without the pooler does not have."""

@@ -74,7 +74,7 @@ def test_hf_gpt2_traced_with_replicas_trains_as_one_process_on_their_combined_ba
     assert torch.equal(state[TIE[0]], state[TIE[1]])
 
 
-@pytest.mark.parametrize("model", ["llama", "olmo3", "vit", "opt", "gptj"])
+@pytest.mark.parametrize("model", ["llama", "olmo3", "vit", "opt", "gptj", "falcon"])
 def test_hf_families_traced_train_as_one_process(model, tmp_path, reference):
     # the rotary embedding's @torch.no_grad() forward, traced as detached results (torch's unflattening drops the
     # arguments of a module called in a no-grad region); interleaved 1F1B: 4 stages on 2 ranks. Olmo3 calls its
@@ -93,6 +93,7 @@ def test_hf_families_traced_train_as_one_process(model, tmp_path, reference):
         "vit": dict(layers=None, split=None),
         "opt": dict(layers=None, split=None, schedule="zbv"),
         "gptj": dict(layers=None, split=None),
+        "falcon": dict(layers=None, split=None, schedule="zbv"),
     }[model]
     cfg = dict(GPT2, model=model, optimizer="sgd", schedule="interleaved_1f1b", devices=2, m=4, batch=8) | given
     job = ok(run_job({**cfg, "n_train": 32, "strategy": "pipeline"}, tmp_path / "job", timeout=240))

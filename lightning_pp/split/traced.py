@@ -435,7 +435,8 @@ class _OnMeta(TorchFunctionMode):
 
     * A number forward makes into a tensor (``torch.tensor(torch.finfo(x.dtype).min, device=x.device)``,
       HF GPT-Neo's attention) is made on the CPU: on meta, the tracer would lift a constant whose value is
-      lost. A 0-dim CPU tensor mixes with tensors of any device as a number does.
+      lost. A 0-dim CPU tensor mixes with tensors of any device as a number does; so do the lists of integers
+      an index holds (HF Falcon's ``qkv[:, :, :, [-2]]``), as CPU index tensors.
     * ``torch.no_grad()`` regions become detached results (``regions``, kept by :func:`_tracing_on_meta`):
       torch 2.13's tracer records a grad-mode switch as a higher-order op, and unflattening then drops the
       arguments of a submodule called inside one (HF's rotary embeddings, ``@torch.no_grad()`` on their
@@ -451,6 +452,8 @@ class _OnMeta(TorchFunctionMode):
         number = bool(args) and isinstance(args[0], (bool, int, float))
         if func in _FROM_VALUES and number and torch.device(kwargs.get("device") or "cpu").type == "meta":
             kwargs = {**kwargs, "device": "cpu"}
+        elif func is torch.Tensor.__getitem__ and len(args) == 2:
+            args = (args[0], _listed_indices_on_cpu(args[1]))
         out = func(*args, **kwargs)
         if self.regions and self.regions[-1]:
             out = tree_map_only(torch.Tensor, lambda t: t.detach() if t.requires_grad else t, out)
@@ -458,6 +461,20 @@ class _OnMeta(TorchFunctionMode):
 
 
 _FROM_VALUES = (torch.tensor, torch.as_tensor, torch.scalar_tensor)
+
+
+def _listed_indices_on_cpu(index: Any) -> Any:
+    """An index's lists of integers (``qkv[:, :, :, [-2]]``, HF Falcon's attention) as CPU tensors: indexing makes
+    them tensors on the indexed tensor's device, on meta without their values. The same indexing."""
+
+    def listed(i: Any) -> bool:
+        return isinstance(i, list) and bool(i) and all(isinstance(n, int) and not isinstance(n, bool) for n in i)
+
+    if listed(index):
+        return torch.tensor(index, device="cpu")
+    if isinstance(index, tuple) and any(listed(i) for i in index):
+        return tuple(torch.tensor(i, device="cpu") if listed(i) else i for i in index)
+    return index
 
 
 @contextlib.contextmanager
