@@ -173,23 +173,37 @@ def table(predictions: Sequence[Prediction], top: int, measured: dict[int, float
 
 
 def verify(
-    predictions: Sequence[Prediction], k: int, overrides: Sequence[str], out: Path, steps: int, batch_size: int
+    predictions: Sequence[Prediction],
+    k: int,
+    overrides: Sequence[str],
+    out: Path,
+    steps: int,
+    batch_size: int,
+    ranks: int,
 ) -> dict[int, float]:
     """Run the first ``k`` configurations through ``lightning_pp.train`` (the user's overrides, the row's, a short
-    fit) and read the samples/s each measured (over every replica, as predicted)."""
+    fit, on ``ranks`` local processes) and read the samples/s each measured (over every replica, as predicted)."""
     measured = {}
     for i, p in enumerate(predictions[:k]):
-        step_s = _measured_step(p.config, overrides, out / "verify" / str(i + 1), steps, batch_size)
+        step_s = _measured_step(p.config, overrides, out / "verify" / str(i + 1), steps, batch_size, ranks)
         measured[i] = p.samples_per_s * p.step_s / step_s
     return measured
 
 
 def calibrate_on_model(
-    costs: ModelCosts, machine: Machine, devices: int, batch_size: int, overrides: Sequence[str], out: Path, steps: int
+    costs: ModelCosts,
+    machine: Machine,
+    devices: int,
+    batch_size: int,
+    overrides: Sequence[str],
+    out: Path,
+    steps: int,
+    ranks: int,
 ) -> Machine:
     """The runtime's own time per action, per message and per step, fitted (least squares, through the simulator)
     to three short runs of the model: 1F1B with the fewest and with the most micro-batches (up to 8 per stage),
-    and the interleaved zero-bubble schedule (two messages per forward, weight halves without any). The tiny model
+    and the interleaved zero-bubble schedule (two messages per forward, weight halves without any), each on this
+    machine's ``ranks`` processes. The tiny model
     of ``calibrate`` misses what grows with a real model: its optimizer's and Lightning's step, the runtime's
     bookkeeping per action and per message."""
     pp = min(p for p in range(2, devices + 1) if devices % p == 0)
@@ -208,7 +222,9 @@ def calibrate_on_model(
         trial = replace(machine, action_overhead_s=action, message_overhead_s=message, step_overhead_s=0.0)
         return predict(config, costs, trial, batch_size, devices).step_s
 
-    measured = [_measured_step(c, overrides, out / "calibrate" / str(i), steps, batch_size) for i, c in enumerate(runs)]
+    measured = [
+        _measured_step(c, overrides, out / "calibrate" / str(i), steps, batch_size, ranks) for i, c in enumerate(runs)
+    ]
     base = [simulated(c, 0.0, 0.0) for c in runs]
     rows = [
         [(simulated(c, 1e-3, 0.0) - b) / 1e-3, (simulated(c, 0.0, 1e-3) - b) / 1e-3, 1.0] for c, b in zip(runs, base)
@@ -227,17 +243,24 @@ def _accepted(schedule: str, m: int, pp: int, n_stages: int) -> bool:
     return True
 
 
-def _measured_step(config: Config, overrides: Sequence[str], job: Path, steps: int, batch_size: int) -> float:
+def _measured_step(
+    config: Config, overrides: Sequence[str], job: Path, steps: int, batch_size: int, ranks: int
+) -> float:
     """Seconds per step of ``config`` run through ``lightning_pp.train`` for ``steps`` steps with the user's
-    overrides (those the plan chooses, and the planner's own, left out); ``batch_size`` samples per replica."""
+    overrides (those the plan chooses, and the planner's own, left out); ``batch_size`` samples per replica.
+
+    Its ``ranks`` processes start together under torchrun, each with the threads training gives it: Lightning's
+    launcher would start the others once rank 0 has imported torch and Lightning (about 9 s a run on a CPU)."""
     mine = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(("plan.", "costs"))]
     mine = [o for o in mine if o.split("=")[0].lstrip("+~") not in {f"strategy.{k}" for k in _CHOSEN}]
     short = [f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
              "trainer.enable_progress_bar=false"]  # fmt: skip
-    command = [sys.executable, "-m", "lightning_pp.train", *mine, *short, *config.overrides().split()]
-    run = subprocess.run([*command, f"hydra.run.dir={job}"], capture_output=True, text=True)
+    app = ["lightning_pp.train", *mine, *short, *config.overrides().split(), f"hydra.run.dir={job}"]
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+    run = subprocess.run([sys.executable, *torchrun, *app], capture_output=True, text=True, env=env)
     if run.returncode != 0:
-        raise RuntimeError(f"Running {' '.join(command[3:])} failed:\n{run.stderr[-3000:]}")
+        raise RuntimeError(f"Running {' '.join(app)} failed:\n{run.stderr[-3000:]}")
     return batch_size / json.loads((job / "result.json").read_text())["samples_per_s"]
 
 
@@ -265,13 +288,23 @@ def run(cfg: DictConfig) -> Path:
         costs = profile_module(module, batch, cfg.strategy.layers, profiled_sizes(batch_size))
         machine = measure_machine(cfg.trainer.accelerator)
         if settings.calibrate_steps:
-            machine = calibrate_on_model(costs, machine, devices, batch_size, overrides, out, settings.calibrate_steps)
+            machine = calibrate_on_model(
+                costs, machine, devices, batch_size, overrides, out, settings.calibrate_steps, int(cfg.trainer.devices)
+            )
     predictions = plan(costs, machine, devices, batch_size, settings.memory_limit_mib, **choices)
     if not predictions:
         raise ValueError(f"No configuration fits plan.memory_limit_mib={settings.memory_limit_mib}; raise it.")
     measured = {}
     if settings.verify_top:
-        measured = verify(predictions, settings.verify_top, overrides, out, settings.verify_steps, batch_size)
+        measured = verify(
+            predictions,
+            settings.verify_top,
+            overrides,
+            out,
+            settings.verify_steps,
+            batch_size,
+            int(cfg.trainer.devices),
+        )
     path = write_plan(predictions, out, measured)
     plot_plan(predictions, out / "plan.png", measured=measured)
     (out / "costs.json").write_text(
