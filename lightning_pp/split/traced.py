@@ -467,14 +467,11 @@ def _listed_indices_on_cpu(index: Any) -> Any:
     """An index's lists of integers (``qkv[:, :, :, [-2]]``, HF Falcon's attention) as CPU tensors: indexing makes
     them tensors on the indexed tensor's device, on meta without their values. The same indexing."""
 
-    def listed(i: Any) -> bool:
-        return isinstance(i, list) and bool(i) and all(isinstance(n, int) and not isinstance(n, bool) for n in i)
+    def on_cpu(i: Any) -> Any:
+        listed = isinstance(i, list) and bool(i) and all(isinstance(n, int) and not isinstance(n, bool) for n in i)
+        return torch.tensor(i, device="cpu") if listed else i
 
-    if listed(index):
-        return torch.tensor(index, device="cpu")
-    if isinstance(index, tuple) and any(listed(i) for i in index):
-        return tuple(torch.tensor(i, device="cpu") if listed(i) else i for i in index)
-    return index
+    return tuple(map(on_cpu, index)) if isinstance(index, tuple) else on_cpu(index)
 
 
 @contextlib.contextmanager
