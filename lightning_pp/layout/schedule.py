@@ -222,26 +222,27 @@ def check_loaders(
 def build_schedule(name: str, stages: list[Any], n_microbatches: int, loss_fn: Any, train: bool) -> _PipelineSchedule:
     """torch's schedule over this rank's stages; the loss scale is ours, so torch does not scale gradients.
 
-    torch 2.13's V schedules cannot run forward-only (their forward steals backward inputs, "can't
-    steal_bwd_input"), so evaluation under them runs the same stages with torch's runtime in plain
-    forward order instead.
+    torch 2.13's schedules cannot run forward-only where one rank holds two adjacent stages (a V; any
+    multi-stage schedule on one pipeline rank): their forward steals backward inputs ("can't
+    steal_bwd_input"), so evaluation there runs the same stages with torch's runtime in plain forward
+    order instead.
     """
     name = schedule_for(normalize_schedule(name), n_microbatches, stages[0].num_stages)
-    if name in V_SHAPED and not train:
-        return _ForwardOnlyV(stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
+    if not train and (name in V_SHAPED or (stages[0].group_size == 1 and len(stages) > 1)):
+        return _ForwardOnly(name, stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if name in SINGLE_STAGE:
         (stage,) = stages
         return SCHEDULES[name](stage, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return SCHEDULES[name](stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
 
 
-class _ForwardOnlyV(_PipelineScheduleRuntime):
-    """Every rank runs its first stage's micro-batches, then its second's: no rank waits on a later one."""
+class _ForwardOnly(_PipelineScheduleRuntime):
+    """Every rank runs its first stage's micro-batches, then its next's: no rank waits on a later one."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, schedule: str, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         pp, n = self.pp_group_size, self._num_stages
-        mapping = {s: _v_rank(s, pp) for s in range(n)}
+        mapping = {s: rank_of_stage(schedule, s, pp) for s in range(n)}
         self.stage_index_to_group_rank = mapping
         for stage in self._stages:
             stage.stage_index_to_group_rank = mapping
@@ -249,7 +250,7 @@ class _ForwardOnlyV(_PipelineScheduleRuntime):
         # UNSHARD/RESHARD around each stage's forwards: an FSDP-sharded stage is gathered before it computes
         self.pipeline_order = {
             r: _add_unshard_reshard(
-                [_Action(s, forward, mb) for s in _v_stages(r, pp) for mb in range(self._n_microbatches)]
+                [_Action(s, forward, mb) for s in range(n) if mapping[s] == r for mb in range(self._n_microbatches)]
             )
             for r in range(pp)
         }
