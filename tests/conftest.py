@@ -45,7 +45,7 @@ class Job:
         return json.loads((self.out / f"rank{r}.json").read_text())
 
     def state(self, name: str = "final.ckpt") -> dict[str, torch.Tensor]:
-        return torch.load(self.out / name, weights_only=False)["state_dict"]
+        return torch.load(self.out / name, weights_only=False, map_location="cpu")["state_dict"]
 
 
 def run_job(
@@ -178,10 +178,11 @@ def reference(tmp_path_factory):
         if key not in cache:
             out = tmp_path_factory.mktemp("ref")
             result = job_module.run({**cfg, "strategy": "single", "threads": 1, "out": str(out)})
-            ckpt = torch.load(out / "final.ckpt", weights_only=False)
+            # on the CPU as a pipeline's saved state is read back, whichever device one process trained on
+            ckpt = torch.load(out / "final.ckpt", weights_only=False, map_location="cpu")
             result["state"], result["optimizer"] = ckpt["state_dict"], ckpt["optimizer_states"][0]
             result["out"] = out
-            result["initial"] = torch.load(out / "initial.pt")
+            result["initial"] = torch.load(out / "initial.pt", map_location="cpu")
             cache[key] = result
         return cache[key]
 

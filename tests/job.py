@@ -269,11 +269,11 @@ def build(cfg: dict[str, Any], trainer: L.Trainer | None) -> L.LightningModule:
         return pretrained_reference(model_cls(**kwargs), cfg)
     if how is None:
         return model_cls(**kwargs)
-    if trainer is None:  # one process: the same build, materialised by the pipeline's rule
+    if trainer is None:  # one process: the same build, materialised by the pipeline's rule on its device's RNG
         with lightning_pp.empty_weights():
             model = model_cls(**kwargs)
             model.configure_model()
-        return lightning_pp.materialize(model)
+        return lightning_pp.materialize(model, materialize_on(cfg))
     if how == "init_module":
         with trainer.init_module(empty_init=True):
             return model_cls(**kwargs)
@@ -289,13 +289,17 @@ def pretrained_reference(model: L.LightningModule, cfg: dict[str, Any]) -> L.Lig
 
         hf = AutoModelForCausalLM.from_pretrained(cfg["pretrained"]).train()
         configs = getattr(model.model, "peft_config", None)
-        model.model = peft_wrapped(model, hf, configs["default"], cfg.get("init_adapter")) if configs else hf
+        model.model = (
+            peft_wrapped(model, hf, configs["default"], cfg.get("init_adapter"), materialize_on(cfg)) if configs else hf
+        )
     else:
         model.load_state_dict(torch.load(cfg["reference_state"]))
     return model
 
 
-def peft_wrapped(model: L.LightningModule, hf: torch.nn.Module, config: Any, adapter: str | None) -> torch.nn.Module:
+def peft_wrapped(
+    model: L.LightningModule, hf: torch.nn.Module, config: Any, adapter: str | None, on: str = "cpu"
+) -> torch.nn.Module:
     """``hf`` wrapped by peft as ``model`` wraps its own: the adapter directory ``adapter`` as peft loads it, or
     (none) adapters started by the pipeline's rule: put on meta, then ``lightning_pp.materialize``."""
     from peft import PeftModel, get_peft_model
@@ -308,7 +312,13 @@ def peft_wrapped(model: L.LightningModule, hf: torch.nn.Module, config: Any, ada
             for key, p in list(module._parameters.items()):
                 if p is not None:
                     module._parameters[key] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-    return lightning_pp.materialize(model).model
+    return lightning_pp.materialize(model, on).model
+
+
+def materialize_on(cfg: dict[str, Any]) -> str:
+    """Where a one-process run materialises: a rank draws its stage's tensors with its device's generator (CUDA's
+    differ from the CPU's for the same seed)."""
+    return "cuda" if cfg.get("accelerator") == "cuda" else "cpu"
 
 
 class Overflow(Callback):

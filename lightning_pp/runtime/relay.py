@@ -123,8 +123,9 @@ def combine(records: list[LogRecord]) -> list[LogRecord]:
             combined.append(group[-1])  # the metric's own state makes its value; see metrics.py
             continue
         kind = reduction_of(group[0].options["reduce_fx"], name)
-        values = torch.stack([r.value.float().reshape(()) for r in group])
-        weights = torch.tensor([r.weight for r in group], dtype=values.dtype)
+        device = group[0].value.device  # the user's step logs on the stage's device; numbers arrive on the CPU
+        values = torch.stack([r.value.float().reshape(()).to(device) for r in group])
+        weights = torch.tensor([r.weight for r in group], dtype=values.dtype, device=device)
         if kind == "mean":
             value = (values * weights).sum() / weights.sum() if len(group) > 1 else values[0]
         elif kind == "sum":
