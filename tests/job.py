@@ -298,7 +298,7 @@ def pretrained_reference(model: L.LightningModule, cfg: dict[str, Any]) -> L.Lig
 
 
 def peft_wrapped(
-    model: L.LightningModule, hf: torch.nn.Module, config: Any, adapter: str | None, on: str = "cpu"
+    model: L.LightningModule, hf: torch.nn.Module, config: Any, adapter: str | None, on: str
 ) -> torch.nn.Module:
     """``hf`` wrapped by peft as ``model`` wraps its own: the adapter directory ``adapter`` as peft loads it, or
     (none) adapters started by the pipeline's rule: put on meta, then ``lightning_pp.materialize``."""

@@ -28,6 +28,7 @@ import lightning as L
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from omegaconf import DictConfig
 
 from lightning_pp.choose.costs import profile_module, profiled_sizes
@@ -257,7 +258,7 @@ def _measured_step(
              "trainer.enable_progress_bar=false"]  # fmt: skip
     app = ["lightning_pp.train", *mine, *short, *config.overrides().split(), f"hydra.run.dir={job}"]
     torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+    env = {**os.environ, "OMP_NUM_THREADS": str(_suggested_max_num_threads(ranks))}
     run = subprocess.run([sys.executable, *torchrun, *app], capture_output=True, text=True, env=env)
     if run.returncode != 0:
         raise RuntimeError(f"Running {' '.join(app)} failed:\n{run.stderr[-3000:]}")
@@ -270,14 +271,15 @@ def run(cfg: DictConfig) -> Path:
     choices = {k: list(settings[k]) for k in ("schedules", "pipeline_sizes", "microbatches") if settings.get(k)}
     choices["activation_checkpointing"] = list(settings.activation_checkpointing)
     overrides = list(HydraConfig.get().overrides.task)
+    ranks = int(cfg.trainer.devices)  # this machine's processes, as training starts them
     if cfg.get("costs"):
         costs, machine = entered_costs(cfg.costs)
         devices, batch_size = int(cfg.costs.devices), int(cfg.costs.batch_size)
         log.warning("Planning from entered costs (%s): not validated on this machine.", cfg.costs.get("name", "costs"))
     else:
         check_config(cfg)
-        devices = int(cfg.trainer.devices) * int(cfg.trainer.get("num_nodes", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(cfg.trainer.devices)))  # what each rank gets
+        devices = ranks * int(cfg.trainer.get("num_nodes", 1))
+        torch.set_num_threads(_suggested_max_num_threads(ranks))  # what each rank gets
         L.seed_everything(cfg.seed, verbose=False)
         module = instantiate(cfg.model)
         module.configure_model()
@@ -289,22 +291,14 @@ def run(cfg: DictConfig) -> Path:
         machine = measure_machine(cfg.trainer.accelerator)
         if settings.calibrate_steps:
             machine = calibrate_on_model(
-                costs, machine, devices, batch_size, overrides, out, settings.calibrate_steps, int(cfg.trainer.devices)
+                costs, machine, devices, batch_size, overrides, out, settings.calibrate_steps, ranks
             )
     predictions = plan(costs, machine, devices, batch_size, settings.memory_limit_mib, **choices)
     if not predictions:
         raise ValueError(f"No configuration fits plan.memory_limit_mib={settings.memory_limit_mib}; raise it.")
     measured = {}
     if settings.verify_top:
-        measured = verify(
-            predictions,
-            settings.verify_top,
-            overrides,
-            out,
-            settings.verify_steps,
-            batch_size,
-            int(cfg.trainer.devices),
-        )
+        measured = verify(predictions, settings.verify_top, overrides, out, settings.verify_steps, batch_size, ranks)
     path = write_plan(predictions, out, measured)
     plot_plan(predictions, out / "plan.png", measured=measured)
     (out / "costs.json").write_text(

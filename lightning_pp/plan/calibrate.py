@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _suggested_max_num_threads
 from torch import nn
 
 from lightning_pp.choose.machine import Machine, base_bytes, ping_pong, save_machine
@@ -37,7 +38,7 @@ def measure_machine(accelerator: str = "cpu", timeout_s: float = 300.0) -> Machi
     """Launch the calibration job on two local ranks and read what it measured."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "machine.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // 2))}
+        env = {**os.environ, "OMP_NUM_THREADS": str(_suggested_max_num_threads(2))}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
         run = subprocess.run(
             [*command, "-m", "lightning_pp.plan.calibrate", str(out), accelerator],
