@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 
 import pytest
 from conftest import ok, run_job
@@ -15,6 +16,15 @@ M = 4
 
 def stage_events(trace: dict, stage: int) -> list[dict]:
     return sorted((e for e in trace["traceEvents"] if e["tid"] == stage), key=lambda e: e["ts"])
+
+
+def serial_work(events: list[Event], rank: int) -> float:
+    """``rank``'s actions at the medians of their stage and kind, back to back: no schedule runs them in less."""
+    groups: dict[tuple[int, str], list[float]] = {}
+    for e in events:
+        if e.stage == rank:
+            groups.setdefault((e.chunk, e.kind), []).append(e.seconds)
+    return sum(len(seconds) * statistics.median(seconds) for seconds in groups.values())
 
 
 def expected_order(schedule: str, stage: int, stages: int, m: int) -> list[str]:
@@ -68,16 +78,18 @@ def test_timeline_follows_the_schedule(tmp_path, schedule):
         assert busy + waited <= span * 1.001, (stage, busy, waited, span)
         assert busy + waited >= 0.7 * span, (stage, busy, waited, span)
         print(f"{schedule} stage {stage}: unaccounted {1 - (busy + waited) / span:.1%} of the span")
-    # the simulator replaying what each action took explains most of the step; it leaves out each send's and
-    # receive's own time (~0.6 ms here, as the planner fits it: 8 of them per rank in GPipe's 5-10 ms step), so
-    # 0.52-0.85 of the step is explained on this 2-core machine, less when the OS takes a core away
+    # the simulator replays the step from the medians of what each action took: never longer than the step measured
+    # (it leaves out each send's and receive's own time), never shorter than the busiest rank's actions run back to
+    # back at those medians. How much of the step it explains (0.52-0.85 on a quiet 2-core machine, 0.28 seen when
+    # the OS took a core away mid-step) is a measurement, the planner's benchmark's to report, not this test's.
     recorded = [Event(e["tid"], e["name"][0] if e["cat"] != "wait" else "P", e["args"]["microbatch"], e["ts"] * 1e-6,
                       (e["ts"] + e["dur"]) * 1e-6, e["args"]["chunk"]) for e in trace["traceEvents"]]  # fmt: skip
     computed = [e for e in recorded if e.kind != "P"]
     measured = max(e.end for e in computed) - min(e.start for e in computed)
     replayed = replay(recorded, schedule, 2, M, 2 if schedule == "zbv" else 1).step_s
     print(f"{schedule}: replayed step {replayed:.4f} s of {measured:.4f} s measured")
-    assert 0.4 * measured <= replayed <= 1.02 * measured
+    assert max(serial_work(computed, rank) for rank in range(2)) <= replayed * (1 + 1e-9)
+    assert replayed <= 1.02 * measured
     logged = [r for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
     assert logged and all(0 <= r["pipeline/bubble"] < 1 and r["pipeline/samples_per_s"] > 0 for r in logged)
     assert all(r["pipeline/stage1_compute_s"] > 0 for r in logged)
