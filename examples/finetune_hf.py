@@ -5,8 +5,6 @@ then export the result back to Hugging Face's format (needs `pip install transfo
 python examples/finetune_hf.py    # 2 CPU processes; writes pretrained/, finetuned/ and finetuned-hf/
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -15,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lightning_pp import PipelineStrategy
+from lightning_pp.consolidate import export_hf
 
 
 class Llama(L.LightningModule):
@@ -52,7 +51,7 @@ if __name__ == "__main__":
     trainer.fit(model, DataLoader(TensorDataset(tokens), batch_size=16))
     trainer.save_checkpoint("finetuned")  # a directory: every rank writes its own stage
     if trainer.is_global_zero:
-        export = [sys.executable, "-m", "lightning_pp.consolidate", "finetuned", "finetuned-hf", "--format", "hf"]
-        subprocess.run(export, check=True)
+        # as python -m lightning_pp.consolidate finetuned finetuned-hf --format hf, without a new process
+        export_hf(Path("finetuned"), Path("finetuned-hf"))
         finetuned = AutoModelForCausalLM.from_pretrained("finetuned-hf")
         print(f"finetuned-hf: {sum(p.numel() for p in finetuned.parameters())} parameters, as HF loads them")

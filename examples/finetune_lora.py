@@ -5,8 +5,6 @@ the "pretrained" model is made and saved here first).
 python examples/finetune_lora.py    # 2 CPU processes; writes pretrained/, lora.ckpt, adapter/ and merged/
 """
 
-import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
@@ -16,6 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from lightning_pp import PipelineStrategy
+from lightning_pp.consolidate import export_hf, export_peft
 
 
 class LoraLlama(L.LightningModule):
@@ -52,9 +51,9 @@ if __name__ == "__main__":
     trainer.fit(model, DataLoader(TensorDataset(tokens), batch_size=16))
     trainer.save_checkpoint("lora.ckpt")  # the adapters and their optimizer state: the base stays in pretrained/
     if trainer.is_global_zero:
-        for form, out in (("peft", "adapter"), ("hf", "merged")):
-            subprocess.run([sys.executable, "-m", "lightning_pp.consolidate", "lora.ckpt", out, "--format", form],
-                           check=True)  # fmt: skip
+        # as python -m lightning_pp.consolidate lora.ckpt adapter --format peft (and merged --format hf)
+        export_peft(Path("lora.ckpt"), Path("adapter"))  # the adapter alone, for peft
+        export_hf(Path("lora.ckpt"), Path("merged"))  # the base with the adapters folded in, for transformers
         adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), "adapter")
         merged = AutoModelForCausalLM.from_pretrained("merged")
         with torch.no_grad():

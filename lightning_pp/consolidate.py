@@ -9,6 +9,8 @@ that ``AutoModelForCausalLM.from_pretrained(DST)`` returns the trained model; on
 LoRA run's adapter (``--adapter``, default ``default``) merged into its base weights. ``--format peft``: that
 adapter alone, as ``adapter_config.json`` and ``adapter_model.safetensors`` for
 ``PeftModel.from_pretrained(base, DST)``. An export that would leave out tensors the run trained stops, naming them.
+From Python (after ``trainer.save_checkpoint``, on rank 0, with no process started): ``consolidate(src, dst)``,
+``export_hf(src, dst)``, ``export_peft(src, dst)``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import torch
 from lightning_pp.checkpoints.export import export_hf, export_peft
 from lightning_pp.checkpoints.formats import is_sharded, load_sharded
 from lightning_pp.errors import PipelineConfigError
+
+__all__ = ["consolidate", "export_hf", "export_peft"]
 
 
 def consolidate(src: Path, dst: Path) -> Path:

@@ -55,17 +55,20 @@ def run_job(
     command: list[str] | None = None,
     env: dict[str, str] | None = None,
     launcher: bool = False,
+    restarts: int | None = None,
 ) -> Job:
     """Run tests/job.py as a real multi-process Lightning job.
 
     By default its ranks are forked from a process that has imported torch and Lightning once (see
     ``forked.py``: each rank runs the whole job, as under torchrun). ``launcher=True`` (or a ``command``)
-    starts the job as a user would: one process, whose Lightning launcher starts the other ranks.
+    starts the job as a user would: one process, whose Lightning launcher starts the other ranks. ``restarts``
+    runs the ranks under torchrun's elastic agent, which restarts them all that many times at most.
     """
     cfg = {**cfg, "out": str(out)}
     start = time.monotonic()
     if command is None and not launcher and cfg.get("strategy") != "single":
-        codes, output = _FORKED.run({"cfg": cfg}, out.parent, env or {}, timeout)
+        request = {"cfg": cfg} if restarts is None else {"cfg": cfg, "restarts": restarts}
+        codes, output = _FORKED.run(request, out.parent, env or {}, timeout)
         job = Job(subprocess.CompletedProcess([], max(codes, key=abs)), out, time.monotonic() - start)
         job.output = output
         return job
@@ -131,6 +134,11 @@ def run_module(
     stderr = Path(tempfile.mkstemp(prefix=".stderr", dir=cwd)[1])
     codes, stdout = _FORKED.run({"module": module, "argv": argv, "stderr": str(stderr)}, cwd, env or {}, timeout)
     return subprocess.CompletedProcess([module, *argv], codes[0], stdout, stderr.read_text())
+
+
+def consolidate_cli(src: Path, dst: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -m lightning_pp.consolidate SRC DST ARGS``, forked from the fork server (no second import of torch)."""
+    return run_module("lightning_pp.consolidate", [str(src), str(dst), *args], Path(src).parent, timeout=180)
 
 
 def free_port() -> int:

@@ -8,12 +8,16 @@ them. Every rank runs ``job.run(cfg)`` whole, as a rank started by a launcher wo
 would. Tests of the launch itself (a job started as a user starts it, a rank that dies under Lightning's
 launcher, each rank's own memory) use Lightning's launcher instead (``run_job(..., launcher=True)``).
 
+A request with ``restarts`` runs the ranks under torch's elastic agent, as ``torchrun --standalone
+--max-restarts=N`` does (the same agent, rendezvous and restart count), but started by fork: each restart
+then costs no imports.
+
 A request with a ``script`` (the docs' blocks) or a ``module`` and its ``argv`` (the apps) in place of a
 ``cfg`` runs as ``python SCRIPT`` or ``python -m MODULE ARGV`` would, in one forked process: only the
 first process's imports are saved.
 
 Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg" or "script" or "module" and "argv",
-"env", "cwd", "output", optionally "stderr", "port"}`` in; ``{"leader": pid}`` when started, then
+"env", "cwd", "output", optionally "stderr" or "restarts", "port"}`` in; ``{"leader": pid}`` when started, then
 ``{"returncodes": [...]}`` when every rank has exited.
 """
 
@@ -67,6 +71,26 @@ def _script(request: dict) -> None:
     sys.exit(0)
 
 
+def _elastic(request: dict, world: int) -> None:
+    """The ranks under torchrun's agent, which restarts them all (forked again) up to ``restarts`` times."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.update(request["env"])
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"forked{request['port']}",
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=request["restarts"],
+                          start_method="fork")  # fmt: skip
+    try:
+        elastic_launch(config, job.run)(request["cfg"])
+    except ChildFailedError:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    os._exit(0)
+
+
 def _lead(request: dict) -> None:
     os.setsid()  # the test kills the whole job on a timeout
     os.chdir(request["cwd"])
@@ -75,9 +99,11 @@ def _lead(request: dict) -> None:
     os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if "stderr" in request else out, 2)
     world = int(request["cfg"]["devices"]) if "cfg" in request else 1
     pids = []
-    for rank in range(world):
+    for rank in range(1 if "restarts" in request else world):
         pid = os.fork()
         if pid == 0:
+            if "restarts" in request:
+                _elastic(request, world)
             _rank(request, rank, world) if "cfg" in request else _script(request)
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]

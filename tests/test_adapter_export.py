@@ -5,13 +5,11 @@ test_frozen_checkpoints.py). Exports that would lose trained tensors stop."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ok, run_job
+from conftest import consolidate_cli, ok, run_job
 from models import HFLlama, LoraBert, LoraLlama, TinyGPT
 from test_parity import common
 from test_tied import assert_state_equal
@@ -27,11 +25,6 @@ LORA = dict(model="lora_llama", layers="model.base_model.model.model.layers", sp
             devices=2, m=2, batch=8, n_train=32, n_val=8, limit_val_batches=0, sanity=0, optimizer="adamw",
             lr=1e-2)  # fmt: skip
 IDS = torch.randint(0, 32, (4, 16), generator=torch.Generator().manual_seed(7))
-
-
-def consolidate(src: Path, dst: Path, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "lightning_pp.consolidate", str(src), str(dst), *args]
-    return subprocess.run(command, capture_output=True, text=True)
 
 
 def logits_of_state(state: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -59,14 +52,14 @@ def assert_exports_reproduce(ckpt: Path, state: dict[str, torch.Tensor], initial
 
     want = logits_of_state(state)
     out = ckpt.parent / "exports"
-    run = consolidate(ckpt, out / "peft", "--format", "peft")
+    run = consolidate_cli(ckpt, out / "peft", "--format", "peft")
     assert run.returncode == 0, run.stderr[-3000:]
     assert sorted(p.name for p in (out / "peft").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     adapted = PeftModel.from_pretrained(base_model(initial), out / "peft")
     with torch.no_grad():
         assert (adapted(input_ids=IDS).logits - want).abs().max() <= LOGITS_TOL
         assert (base_model(initial)(input_ids=IDS).logits - want).abs().max() > 100 * LOGITS_TOL  # it trained
-    run = consolidate(ckpt, out / "hf", "--format", "hf", "--max-shard-size", "40KB")
+    run = consolidate_cli(ckpt, out / "hf", "--format", "hf", "--max-shard-size", "40KB")
     assert run.returncode == 0, run.stderr[-3000:]
     assert "left out" not in run.stdout and len(list((out / "hf").glob("*.safetensors"))) > 1
     assert_merged_reproduces(out / "hf", want)
@@ -137,7 +130,7 @@ def test_peft_export_of_a_run_without_adapters_is_refused(tmp_path, how):
     if how == "pipeline":
         checkpoint[EXPORT_KEY] = export_names(model, None)
     torch.save(checkpoint, tmp_path / "tiny.ckpt")
-    run = consolidate(tmp_path / "tiny.ckpt", tmp_path / "out", "--format", "peft")
+    run = consolidate_cli(tmp_path / "tiny.ckpt", tmp_path / "out", "--format", "peft")
     assert run.returncode != 0 and "records no peft adapters" in run.stderr and "--format hf" in run.stderr
     assert not (tmp_path / "out").exists()
 
@@ -171,7 +164,7 @@ def test_a_lora_classifier_trains_its_head_whole_and_exports_it_both_ways(tmp_pa
         want = model.model.eval()(input_ids=tokens).logits
     out = tmp_path / "exports"
     for fmt in ("peft", "hf"):
-        run = consolidate(tmp_path / "job" / "final.ckpt", out / fmt, "--format", fmt)
+        run = consolidate_cli(tmp_path / "job" / "final.ckpt", out / fmt, "--format", fmt)
         assert run.returncode == 0, run.stderr[-3000:]
     base = BertForSequenceClassification(LoraBert().model.base_model.model.config)
     base.load_state_dict({site.base_key(k): v for k, v in ref["initial"].items() if not site.adapter_of(k)})

@@ -3,12 +3,9 @@ a rank that dies during a save leaves the previous checkpoint usable."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ok, run_job
+from conftest import consolidate_cli, ok, run_job
 from models import TinyGPT
 from test_errors import assert_all_ranks_gone
 from test_parity import LOSS_TOL
@@ -112,8 +109,7 @@ def test_sharded_checkpoint_reshards_and_consolidates(tmp_path, reference):
 
     # consolidated into one ordinary file: plain Lightning loads and resumes it on one process
     full = tmp_path / "full.ckpt"
-    proc = subprocess.run([sys.executable, "-m", "lightning_pp.consolidate", str(ckpt), str(full)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = consolidate_cli(ckpt, full)
     assert proc.returncode == 0, proc.stderr
     consolidated = torch.load(full, weights_only=False)
     assert set(consolidated["state_dict"]) == set(start["state"])

@@ -146,12 +146,7 @@ def assert_all_ranks_gone(out, n: int) -> None:
 
 
 def test_forward_that_does_not_skip_none_stops_every_rank_with_the_message(tmp_path):
-    job = run_job(
-        dict(strategy="pipeline", devices=2, m=2, model="noskip", timeout=30),
-        tmp_path / "job",
-        timeout=90,
-        launcher=True,
-    )
+    job = run_job(dict(strategy="pipeline", devices=2, m=2, model="noskip", timeout=30), tmp_path / "job", timeout=90)
     assert job.returncode != 0
     assert job.seconds < 60
     # rank 1 fails in its forward; rank 0 stops with rank 1's message instead of hanging

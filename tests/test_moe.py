@@ -5,12 +5,9 @@ micro-batch, as the pipeline does)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import ok, run_job
+from conftest import consolidate_cli, ok, run_job
 from models import MOE as MOE_MODELS
 from models import HFLlama, LoraLlama4, LoraMoE
 from test_frozen import _micro
@@ -86,8 +83,7 @@ def test_experts_sharded_over_replicas_train_as_one_process_and_checkpoint_in_it
 
     # the sharded directory written under expert parallelism holds the one-process tensors
     full = tmp_path / "full.ckpt"
-    proc = subprocess.run([sys.executable, "-m", "lightning_pp.consolidate", str(job.out / "final.ckpt"), str(full)],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    proc = consolidate_cli(job.out / "final.ckpt", full)
     assert proc.returncode == 0, proc.stderr
     assert_state_equal(torch.load(full, weights_only=False)["state_dict"], ref["state"], PARAM_TOL)
 
@@ -123,10 +119,9 @@ def test_lora_on_a_moe_models_attention_and_experts_read_from_its_hub_layout_exp
     # both stacks of each layer trained, well past the tolerance
     assert len(experts) == 8 and all(saved[k].abs().max() > 20 * PARAM_TOL for k in experts), experts
     assert_state_equal(saved, {k: v for k, v in ref["state"].items() if k in saved}, PARAM_TOL)
-    ckpt = str(job.out / "final.ckpt")
+    ckpt = job.out / "final.ckpt"
     for form in ("hf", "peft"):
-        command = ["-m", "lightning_pp.consolidate", ckpt, str(tmp_path / form), "--format", form]
-        proc = subprocess.run([sys.executable, *command], capture_output=True, text=True, timeout=120)
+        proc = consolidate_cli(ckpt, tmp_path / form, "--format", form)
         assert proc.returncode == 0, proc.stderr[-3000:]
     merged, info = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

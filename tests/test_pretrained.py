@@ -4,13 +4,11 @@ called ``from_pretrained`` (or loaded the same state dict) on the same batches."
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ok, run_job
+from conftest import consolidate_cli, ok, run_job
 from models import HFGPT2, MOE, HFBertClassifier, HFLlama, LoraBert, TinyGPT, _moe_config, renamed_key
 from test_frozen import _micro
 from test_moe import _close, _losses
@@ -59,8 +57,7 @@ def _compare(job_cfg: dict, ref_cfg: dict, tmp_path: Path, reference, export: bo
         from transformers import AutoModelForCausalLM
 
         out = tmp_path / "hf"
-        command = [sys.executable, "-m", "lightning_pp.consolidate", str(tmp_path / "job" / "final.ckpt"), str(out)]
-        run = subprocess.run([*command, "--format", "hf", "--max-shard-size", "60KB"], capture_output=True, text=True)
+        run = consolidate_cli(tmp_path / "job" / "final.ckpt", out, "--format", "hf", "--max-shard-size", "60KB")
         assert run.returncode == 0, run.stderr[-3000:]
         assert len(list(out.glob("*.safetensors"))) > 1 and (out / "config.json").is_file()
         trained = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -234,8 +231,7 @@ def test_hf_qwen3_moe_on_meta_reads_its_per_expert_checkpoint_under_1f1b_and_exp
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "hf"
-    command = [sys.executable, "-m", "lightning_pp.consolidate", str(tmp_path / "job" / "final.ckpt"), str(out)]
-    run = subprocess.run([*command, "--format", "hf", "--max-shard-size", "60KB"], capture_output=True, text=True)
+    run = consolidate_cli(tmp_path / "job" / "final.ckpt", out, "--format", "hf", "--max-shard-size", "60KB")
     assert run.returncode == 0, run.stderr[-3000:]
     exported, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info

@@ -4,10 +4,8 @@ step, during a save (full and sharded), under 1F1B and ZBV, with a loader Lightn
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from conftest import HERE, ok, run_job
+from conftest import ok, run_job
 from test_parity import PARAM_TOL, common
 
 from lightning_pp.checkpoints.swap import FAULT_ENV
@@ -16,11 +14,6 @@ from lightning_pp.consolidate import consolidate
 # 6 batches an epoch, 2 epochs; a checkpoint (and last.ckpt) every 2 optimizer steps; every attempt resumes "last"
 RESTARTS = dict(batch=8, n_train=48, max_epochs=2, sanity=0, save_every=2, save_last=True, resume="last",
                 resumable=True, timeout=30, threads=1)  # fmt: skip
-
-
-def torchrun(restarts: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-            f"--max-restarts={restarts}", str(HERE / "job.py")]  # fmt: skip
 
 
 def assert_like_uninterrupted(job, cfg: dict, reference, tmp_path) -> None:
@@ -56,7 +49,7 @@ def test_1f1b_full_checkpoints_come_back_from_five_kills(tmp_path, reference):
     kills = {"0": [1, 5, "start"], "2": [1, 9, "step"], "3": [0, 10, "start"], "4": [1, 11, "step"]}
     cfg = {**RESTARTS, "strategy": "pipeline", "schedule": "1f1b", "devices": 2, "m": 2, "accumulate": 2,
            "shuffle": True, "kills": kills, "attempt_env": {"1": {FAULT_ENV: "0:1:torn"}}}  # fmt: skip
-    job = ok(run_job(cfg, tmp_path / "job", timeout=400, command=torchrun(5)))
+    job = ok(run_job(cfg, tmp_path / "job", timeout=400, restarts=5))
     assert sorted(p.name for p in job.out.glob("attempt*")) == [f"attempt{a}_rank{r}" for a in range(6) for r in (0, 1)]
     assert_like_uninterrupted(job, cfg, reference, tmp_path)
 
@@ -70,7 +63,7 @@ def test_zbv_async_sharded_checkpoints_come_back_from_three_kills(tmp_path, refe
     cfg = {**RESTARTS, "strategy": "pipeline", "schedule": "zbv", "devices": 2, "m": 4, "state_dict_type": "sharded",
            "async_save": True, "kills": {"0": [0, 3, "start"], "2": [1, 9, "start"]},
            "attempt_env": {"1": {FAULT_ENV: "1:1:staged"}}}  # fmt: skip
-    job = ok(run_job(cfg, tmp_path / "job", timeout=400, command=torchrun(3)))
+    job = ok(run_job(cfg, tmp_path / "job", timeout=400, restarts=3))
     assert sorted(p.name for p in job.out.glob("attempt*")) == [f"attempt{a}_rank{r}" for a in range(4) for r in (0, 1)]
     assert (job.out / "ckpts" / "last.ckpt").is_dir()
     assert_like_uninterrupted(job, cfg, reference, tmp_path)
