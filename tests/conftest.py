@@ -119,21 +119,24 @@ class _Forked:
 _FORKED = _Forked()
 
 
-def run_script(script: Path, timeout: float) -> tuple[int, str]:
-    """``python script`` in its directory, its first process forked from the fork server (see ``forked.py``):
-    the exit status and what it printed."""
-    codes, output = _FORKED.run({"script": str(script)}, script.parent, {}, timeout)
-    return codes[0], output
+def run_script(script: Path, timeout: float, ranks: int = 1) -> tuple[int, str]:
+    """``python script`` in its directory, its first process forked from the fork server (see ``forked.py``), or
+    with ``ranks`` > 1 as ``torchrun --nproc_per_node ranks script`` would run it, every rank forked: the worst
+    exit status and what it printed."""
+    codes, output = _FORKED.run({"script": str(script), "ranks": ranks}, script.parent, {}, timeout)
+    return max(codes, key=abs), output
 
 
 def run_module(
-    module: str, argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None
+    module: str, argv: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None, ranks: int = 1
 ) -> subprocess.CompletedProcess:
     """``python -m module *argv`` in ``cwd``, its first process forked from the fork server (see ``forked.py``),
-    what it printed to stdout and to stderr apart."""
+    or with ``ranks`` > 1 as ``torchrun --nproc_per_node ranks -m module *argv`` would run it, every rank forked:
+    the worst exit status, and what it printed to stdout and to stderr apart."""
     stderr = Path(tempfile.mkstemp(prefix=".stderr", dir=cwd)[1])
-    codes, stdout = _FORKED.run({"module": module, "argv": argv, "stderr": str(stderr)}, cwd, env or {}, timeout)
-    return subprocess.CompletedProcess([module, *argv], codes[0], stdout, stderr.read_text())
+    request = {"module": module, "argv": argv, "stderr": str(stderr), "ranks": ranks}
+    codes, stdout = _FORKED.run(request, cwd, env or {}, timeout)
+    return subprocess.CompletedProcess([module, *argv], max(codes, key=abs), stdout, stderr.read_text())
 
 
 def consolidate_cli(src: Path, dst: Path, *args: str) -> subprocess.CompletedProcess:

@@ -14,10 +14,11 @@ then costs no imports.
 
 A request with a ``script`` (the docs' blocks) or a ``module`` and its ``argv`` (the apps) in place of a
 ``cfg`` runs as ``python SCRIPT`` or ``python -m MODULE ARGV`` would, in one forked process: only the
-first process's imports are saved.
+first process's imports are saved. With ``ranks`` N, a script runs as ``torchrun --nproc_per_node N SCRIPT``
+would: N forked processes with torchrun's environment, so Lightning starts none of its own.
 
 Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg" or "script" or "module" and "argv",
-"env", "cwd", "output", optionally "stderr" or "restarts", "port"}`` in; ``{"leader": pid}`` when started, then
+"env", "cwd", "output", optionally "stderr", "restarts" or "ranks", "port"}`` in; ``{"leader": pid}`` when started, then
 ``{"returncodes": [...]}`` when every rank has exited.
 """
 
@@ -34,13 +35,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import job  # noqa: E402  (torch, Lightning and lightning_pp, imported once)
 
 
-def _rank(request: dict, rank: int, world: int) -> None:
+def _torchrun_env(request: dict, rank: int, world: int) -> None:
     os.environ.update(request["env"])
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]), WORLD_SIZE=str(world), RANK=str(rank),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", NODE_RANK="0",
         TORCHELASTIC_RUN_ID="forked",
     )  # fmt: skip
+
+
+def _rank(request: dict, rank: int, world: int) -> None:
+    _torchrun_env(request, rank, world)
     code = 0
     try:
         job.run(request["cfg"])
@@ -54,8 +59,8 @@ def _rank(request: dict, rank: int, world: int) -> None:
 
 def _script(request: dict) -> None:
     """``python SCRIPT`` (or ``python -m MODULE ARGV``) with its imports done: Lightning's launcher starts the
-    other ranks, fresh, by re-running the command, and the process ends as Python ends one (atexit, logging),
-    with the status Python would give."""
+    other ranks, fresh, by re-running the command (unless torchrun's environment is set), and the process ends
+    as Python ends one (atexit, logging), with the status Python would give."""
     os.environ.update(request["env"])
     sys.argv = ["", *request.get("argv", [])]  # argv[0]: set by runpy, as by Python
     try:
@@ -97,14 +102,18 @@ def _lead(request: dict) -> None:
     out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(out, 1)
     os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if "stderr" in request else out, 2)
-    world = int(request["cfg"]["devices"]) if "cfg" in request else 1
+    world = int(request["cfg"]["devices"]) if "cfg" in request else request.get("ranks", 1)
     pids = []
     for rank in range(1 if "restarts" in request else world):
         pid = os.fork()
         if pid == 0:
             if "restarts" in request:
                 _elastic(request, world)
-            _rank(request, rank, world) if "cfg" in request else _script(request)
+            elif "cfg" in request:
+                _rank(request, rank, world)
+            if world > 1:  # a script's ranks started together, as torchrun starts them
+                _torchrun_env(request, rank, world)
+            _script(request)
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     with open(request["output"] + ".codes", "w") as f:

@@ -30,9 +30,10 @@ def compose_app(*overrides: str):
         return compose("config", overrides=list(overrides), return_hydra_config=True)
 
 
-def app(args: list[str], cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``python -m lightning_pp.train *args``, as a user runs it (its first process's imports done once)."""
-    return run_module("lightning_pp.train", args, cwd, timeout)
+def app(args: list[str], cwd: Path, timeout: float = 240, ranks: int = 1) -> subprocess.CompletedProcess:
+    """``python -m lightning_pp.train *args``, as a user runs it (its first process's imports done once), or with
+    ``ranks`` as ``torchrun --nproc_per_node ranks -m lightning_pp.train *args`` runs it (every rank forked)."""
+    return run_module("lightning_pp.train", args, cwd, timeout, ranks=ranks)
 
 
 def logged_losses(run_dir: Path) -> list[float]:
@@ -156,7 +157,9 @@ def test_default_job_writes_results_and_learns(tmp_path):
 def test_hf_gpt2_trains_through_the_app_split_by_the_tracer(tmp_path):
     # built on meta by the app, traced on meta, each rank materialising its stage by HF's own init rule
     run_dir = tmp_path / "run"
-    proc = app([*QUICK, "model=gpt2_tiny", "trainer.limit_train_batches=12", f"hydra.run.dir={run_dir}"], tmp_path)
+    # under torchrun (the default job and the multirun run the app under Lightning's launcher)
+    proc = app([*QUICK, "model=gpt2_tiny", "trainer.limit_train_batches=12", f"hydra.run.dir={run_dir}"], tmp_path,
+               ranks=2)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shared by stages [0, 1] (gradients summed): model.transformer.wte.weight = model.lm_head.weight" in (
         proc.stdout + proc.stderr
@@ -171,7 +174,7 @@ def test_lora_trains_only_the_adapters_through_the_app(tmp_path):
     run_dir = tmp_path / "run"
     experts = "peft.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
     lora = ["model=qwen3_moe_tiny", "peft=lora", experts]
-    proc = app([*QUICK, *lora, "trainer.limit_train_batches=4", f"hydra.run.dir={run_dir}"], tmp_path)
+    proc = app([*QUICK, *lora, "trainer.limit_train_batches=4", f"hydra.run.dir={run_dir}"], tmp_path, ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "layers='model.model.layers' resolved to 'model.base_model.model.model.layers' (inside a peft model)" in (
         proc.stdout + proc.stderr

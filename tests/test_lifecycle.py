@@ -4,23 +4,18 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import lifecycle_job
-from conftest import HERE, child_env, ok, run_job
+from conftest import HERE, ok, run_job, run_module
 from test_parity import LOSS_TOL, assert_same_logs
 
 
 def test_validate_test_fit_in_any_order_in_one_process(tmp_path):
     out = tmp_path / "pipe"
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "lifecycle_job.py"), json.dumps({"out": str(out), "devices": 2, "pipeline": True})],
-        env=child_env(),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    # python -m lifecycle_job: its first process forked (imports done), Lightning's launcher starts rank 1
+    cfg = json.dumps({"out": str(out), "devices": 2, "pipeline": True})
+    proc = run_module("lifecycle_job", [cfg], tmp_path, timeout=240, env={"PYTHONPATH": str(HERE)})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     ref = lifecycle_job.run({"out": str(tmp_path / "ref"), "threads": 1})
     for rank in range(2):
