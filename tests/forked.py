@@ -35,17 +35,19 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import job  # noqa: E402  (torch, Lightning and lightning_pp, imported once)
 
 
-def _torchrun_env(request: dict, rank: int, world: int) -> None:
+def _torchrun_env(request: dict, rank: int, world: int, nodes: int = 1) -> None:
+    """What torchrun gives ``rank`` of ``world``, its ranks in ``nodes`` consecutive groups (one per node)."""
+    local = world // nodes
     os.environ.update(request["env"])
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"]), WORLD_SIZE=str(world), RANK=str(rank),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), GROUP_RANK="0", NODE_RANK="0",
-        TORCHELASTIC_RUN_ID="forked",
+        LOCAL_RANK=str(rank % local), LOCAL_WORLD_SIZE=str(local), GROUP_RANK=str(rank // local),
+        NODE_RANK=str(rank // local), TORCHELASTIC_RUN_ID="forked",
     )  # fmt: skip
 
 
 def _rank(request: dict, rank: int, world: int) -> None:
-    _torchrun_env(request, rank, world)
+    _torchrun_env(request, rank, world, int(request["cfg"].get("num_nodes", 1)))
     code = 0
     try:
         job.run(request["cfg"])
@@ -102,7 +104,8 @@ def _lead(request: dict) -> None:
     out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(out, 1)
     os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if "stderr" in request else out, 2)
-    world = int(request["cfg"]["devices"]) if "cfg" in request else request.get("ranks", 1)
+    cfg = request.get("cfg", {})
+    world = int(cfg["devices"]) * int(cfg.get("num_nodes", 1)) if cfg else request.get("ranks", 1)
     pids = []
     for rank in range(1 if "restarts" in request else world):
         pid = os.fork()

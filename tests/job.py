@@ -527,6 +527,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "loss_steps": getattr(model, "loss_steps", 0),
         "world": trainer.world_size,
+        "node_rank": trainer.node_rank,
+        "local_rank": trainer.local_rank,
         "lr": [g["lr"] for g in trainer.optimizers[0].param_groups],
         "params": sorted(n for n, _ in model.named_parameters()),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
