@@ -29,6 +29,7 @@ import os
 import runpy
 import sys
 import traceback
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -46,11 +47,11 @@ def _torchrun_env(request: dict, rank: int, world: int, nodes: int = 1) -> None:
     )  # fmt: skip
 
 
-def _rank(request: dict, rank: int, world: int) -> None:
-    _torchrun_env(request, rank, world, int(request["cfg"].get("num_nodes", 1)))
+def _exit_after(run: Callable[[], object]) -> None:
+    """Ends the process with ``run``'s outcome as its exit status (1 with the traceback printed), as a rank would."""
     code = 0
     try:
-        job.run(request["cfg"])
+        run()
     except BaseException:  # noqa: B036  (the rank's exit status is what the test reads)
         traceback.print_exc()
         code = 1
@@ -80,22 +81,24 @@ def _script(request: dict) -> None:
 
 def _elastic(request: dict, world: int) -> None:
     """The ranks under torchrun's agent, which restarts them all (forked again) up to ``restarts`` times."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.update(request["env"])
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world, run_id=f"forked{request['port']}",
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=request["restarts"],
                           start_method="fork")  # fmt: skip
-    try:
-        elastic_launch(config, job.run)(request["cfg"])
-    except ChildFailedError:
-        traceback.print_exc()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    os._exit(0)
+    elastic_launch(config, job.run)(request["cfg"])
+
+
+def _child(request: dict, rank: int, world: int, nodes: int) -> None:
+    """One forked process of the job: torchrun's agent, a rank of ``job.run``, or the script's (first) process."""
+    if "restarts" in request:
+        _exit_after(lambda: _elastic(request, world))
+    if "cfg" in request or world > 1:  # ranks started together, as torchrun starts them
+        _torchrun_env(request, rank, world, nodes)
+    if "cfg" in request:
+        _exit_after(lambda: job.run(request["cfg"]))
+    _script(request)
 
 
 def _lead(request: dict) -> None:
@@ -105,18 +108,13 @@ def _lead(request: dict) -> None:
     os.dup2(out, 1)
     os.dup2(os.open(request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_APPEND) if "stderr" in request else out, 2)
     cfg = request.get("cfg", {})
-    world = int(cfg["devices"]) * int(cfg.get("num_nodes", 1)) if cfg else request.get("ranks", 1)
+    nodes = int(cfg.get("num_nodes", 1))
+    world = int(cfg["devices"]) * nodes if cfg else request.get("ranks", 1)
     pids = []
     for rank in range(1 if "restarts" in request else world):
         pid = os.fork()
         if pid == 0:
-            if "restarts" in request:
-                _elastic(request, world)
-            elif "cfg" in request:
-                _rank(request, rank, world)
-            if world > 1:  # a script's ranks started together, as torchrun starts them
-                _torchrun_env(request, rank, world)
-            _script(request)
+            _child(request, rank, world, nodes)
         pids.append(pid)
     codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids]
     with open(request["output"] + ".codes", "w") as f:

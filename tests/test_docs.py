@@ -45,15 +45,18 @@ def test_fragment_parses(where: str, code: str) -> None:
     ast.parse(code, filename=where)
 
 
+_RUNNABLE = _blocks("")
+
+
 def _ranks(where: str, code: str) -> int:
     """1 for a block run with ``python`` (its Lightning launcher starts the rest), else its Trainer's devices."""
     devices = {int(n) for n in re.findall(r"\bdevices=(\d+)", code)}
-    if where == _blocks("")[0][0] or "re-runs this script" in code or len(devices) != 1:
+    if where == _RUNNABLE[0][0] or "re-runs this script" in code or len(devices) != 1:
         return 1
     return devices.pop()
 
 
-@pytest.mark.parametrize("where,code", _blocks(""), ids=[w for w, _ in _blocks("")])
+@pytest.mark.parametrize("where,code", _RUNNABLE, ids=[w for w, _ in _RUNNABLE])
 def test_block_runs(where: str, code: str, tmp_path: Path) -> None:
     script = tmp_path / "block.py"
     script.write_text(code)
