@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +119,14 @@ class _Forked:
 _FORKED = _Forked()
 
 
-def run_script(script: Path, timeout: float, ranks: int = 1) -> tuple[int, str]:
-    """``python script`` in its directory, its first process forked from the fork server (see ``forked.py``), or
-    with ``ranks`` > 1 as ``torchrun --nproc_per_node ranks script`` would run it, every rank forked: the worst
-    exit status and what it printed."""
-    codes, output = _FORKED.run({"script": str(script), "ranks": ranks}, script.parent, {}, timeout)
+def run_script(
+    script: Path, timeout: float, ranks: int = 1, argv: Sequence[str] = (), cwd: Path | None = None
+) -> tuple[int, str]:
+    """``python script *argv`` in ``cwd`` (the script's directory), its first process forked from the fork server
+    (see ``forked.py``), or with ``ranks`` > 1 as ``torchrun --nproc_per_node ranks script *argv`` would run it,
+    every rank forked: the worst exit status and what it printed."""
+    request = {"script": str(script), "ranks": ranks, "argv": list(argv)}
+    codes, output = _FORKED.run(request, cwd or script.parent, {}, timeout)
     return max(codes, key=abs), output
 
 

@@ -12,12 +12,12 @@ A request with ``restarts`` runs the ranks under torch's elastic agent, as ``tor
 --max-restarts=N`` does (the same agent, rendezvous and restart count), but started by fork: each restart
 then costs no imports.
 
-A request with a ``script`` (the docs' blocks) or a ``module`` and its ``argv`` (the apps) in place of a
-``cfg`` runs as ``python SCRIPT`` or ``python -m MODULE ARGV`` would, in one forked process: only the
-first process's imports are saved. With ``ranks`` N, a script runs as ``torchrun --nproc_per_node N SCRIPT``
+A request with a ``script`` (the docs' blocks, a benchmark) or a ``module`` (the apps), each with its ``argv``, in
+place of a ``cfg`` runs as ``python SCRIPT ARGV`` or ``python -m MODULE ARGV`` would, in one forked process: only
+the first process's imports are saved. With ``ranks`` N, a script runs as ``torchrun --nproc_per_node N SCRIPT``
 would: N forked processes with torchrun's environment, so Lightning starts none of its own.
 
-Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg" or "script" or "module" and "argv",
+Protocol, one JSON line each way per job on stdin/stdout: ``{"cfg" or "script" or "module", "argv",
 "env", "cwd", "output", optionally "stderr", "restarts" or "ranks", "port"}`` in; ``{"leader": pid}`` when started, then
 ``{"returncodes": [...]}`` when every rank has exited.
 """
@@ -70,6 +70,7 @@ def _script(request: dict) -> None:
         if "module" in request:
             runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
         else:
+            sys.path.insert(0, os.path.dirname(os.path.abspath(request["script"])))  # as Python puts it first
             runpy.run_path(request["script"], run_name="__main__")
     except SystemExit:
         raise

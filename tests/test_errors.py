@@ -254,3 +254,31 @@ def test_an_exit_during_a_heartbeat_store_call_keeps_the_jobs_exit_status():
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "the job's own error" in proc.stderr and "terminate called" not in proc.stderr
+
+
+def test_the_heartbeat_counts_in_each_new_jobs_store():
+    # a process that runs jobs in turn (a sweep's rank 0, the planner's runs under one torchrun) makes a process
+    # group, and a store, per job: its counter kept beating in the first job's, and a timed-out step of a later
+    # job read that job's peers as stopped
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_pp.lifecycle import heartbeat
+
+    def count(store: dist.Store) -> int:
+        return store.add("lightning_pp/beat/0", 0)
+
+    stores = [dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=5)) for _ in range(2)]
+    try:
+        for store in stores:
+            heartbeat.start_heartbeat(store, 0, timedelta(seconds=1))  # a beat every 0.2 s
+            time.sleep(0.5)
+        before = [count(store) for store in stores]
+        time.sleep(0.5)
+        after = [count(store) for store in stores]
+        assert after[0] == before[0] and after[1] > before[1] > 0, (before, after)
+    finally:
+        if heartbeat._running is not None:
+            heartbeat._running.stop()
+        heartbeat._running = None

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import csv
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import child_env, run_module
+from conftest import run_module, run_script
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
 from torch import nn
@@ -197,11 +195,9 @@ def test_zbv_leaves_nothing_between_steps_and_peaks_as_predicted(tmp_path, bench
     # benchmarks/memory.py's count, live, for the schedule whose split backward retains graphs: what the user's step
     # returned used to keep its graph (and what the input half retained) until the next step
     out = tmp_path / "memory.json"
-    env = {**child_env(), "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{ROOT / 'benchmarks'}:{ROOT}"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    run = subprocess.run([*command, str(ROOT / "benchmarks/run_memory.py"), "zbv", "8", "3", str(out)], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
+    script = ROOT / "benchmarks/run_memory.py"
+    code, output = run_script(script, 300, ranks=2, argv=["zbv", "8", "3", str(out)], cwd=tmp_path)
+    assert code == 0, output[-3000:]
     measured = json.loads(out.read_text())
     config = Config(2, "zbv", 2, 8, (2, 2, 2, 2), "uniform", False)
     predicted = predict(config, benchmark_costs, QUIET, 32, 2).activation_bytes

@@ -63,8 +63,12 @@ _running: _Heartbeat | None = None
 
 
 def start_heartbeat(store: dist.Store, rank: int, timeout: timedelta) -> None:
-    """Start this process's counter (once per process, like its process group)."""
+    """Start this process's counter in its process group's store; a process that runs several jobs in turn (a
+    sweep's rank 0, the planner's runs) moves it to each new job's store, where that job's peers count."""
     global _running
+    if _running is not None and _running.store is not store:
+        _running.stop()
+        _running = None
     if _running is None:
         _running = _Heartbeat(store, rank, timeout)
 

@@ -13,11 +13,14 @@ So rank 0 of every attempt hosts a fresh store on a free port and leaves its por
 in the launcher's store; the other ranks take the port only from a store that holds that token (a
 port of a dead attempt refuses the connection, one that another process reuses lacks the token). Then
 every rank checks in, and a rank that has not arrived within the timeout is named on every rank that
-did, before any collective.
+did, before any collective. A process that runs several jobs in turn (the planner's runs, one launch)
+counts its process groups: each leaves its port under a key of its own, so a rank never finds the one
+its peers closed a job ago.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 import uuid
@@ -32,10 +35,11 @@ from torch.distributed.distributed_c10d import _get_default_store
 from lightning_pp.lifecycle.exit import close_process_groups_at_exit
 from lightning_pp.lifecycle.heartbeat import start_heartbeat
 
-_WHERE = "lightning_pp/attempt_store"  # in the launcher's store: "PORT TOKEN" of the newest attempt
+_WHERE = "lightning_pp/attempt_store"  # in the launcher's store, per process group: "PORT TOKEN" of the newest attempt
 _TOKEN = "lightning_pp/token"
 _ARRIVED = "lightning_pp/arrived"
 _PROBE = timedelta(seconds=2)  # connecting to a port of a dead attempt: refused at once, retried this long
+_groups = itertools.count()  # this process's process groups, in the order every rank of the launch makes them
 
 
 def connect(environment: ClusterEnvironment, backend: str, timeout: timedelta, device: torch.device) -> None:
@@ -55,22 +59,23 @@ def _attempt_store(timeout: timedelta) -> dict[str, dist.Store]:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     launcher = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    where = f"{_WHERE}/{next(_groups)}"
     if rank == 0:
         store = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
         token = uuid.uuid4().hex
         store.set(_TOKEN, token)
-        launcher.set(_WHERE, f"{store.port} {token}")
+        launcher.set(where, f"{store.port} {token}")
     else:
-        store = _join(launcher, host, timeout)
+        store = _join(launcher, where, host, timeout)
     _check_in(store, rank, world, timeout)
     return {"store": store}
 
 
-def _join(launcher: dist.Store, host: str, timeout: timedelta) -> dist.Store:
+def _join(launcher: dist.Store, where: str, host: str, timeout: timedelta) -> dist.Store:
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
-        if launcher.check([_WHERE]):
-            port, token = launcher.get(_WHERE).decode().split()
+        if launcher.check([where]):
+            port, token = launcher.get(where).decode().split()
             try:
                 store = dist.TCPStore(host, int(port), is_master=False, timeout=_PROBE)
                 if store.check([_TOKEN]) and store.get(_TOKEN).decode() == token:

@@ -15,9 +15,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -36,7 +33,7 @@ from lightning_pp.choose.machine import Machine
 from lightning_pp.choose.planner import Config, ModelCosts, Prediction, plan, predict
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import check_microbatches
-from lightning_pp.plan.calibrate import fit_nonnegative, measure_machine
+from lightning_pp.plan.calibrate import fit_nonnegative, launch, measure_machine
 from lightning_pp.split.microbatch import batch_size_of
 from lightning_pp.split.partition import uniform_split
 from lightning_pp.split.profiling import Segments
@@ -182,31 +179,19 @@ def verify(
     batch_size: int,
     ranks: int,
 ) -> dict[int, float]:
-    """Run the first ``k`` configurations through ``lightning_pp.train`` (the user's overrides, the row's, a short
-    fit, on ``ranks`` local processes) and read the samples/s each measured (over every replica, as predicted)."""
-    measured = {}
-    for i, p in enumerate(predictions[:k]):
-        step_s = _measured_step(p.config, overrides, out / "verify" / str(i + 1), steps, batch_size, ranks)
-        measured[i] = p.samples_per_s * p.step_s / step_s
-    return measured
+    """Run the first ``k`` configurations through the app (the user's overrides, the row's, a short fit, on
+    ``ranks`` local processes, one launch) and read the samples/s each measured (over every replica, as
+    predicted)."""
+    shown = predictions[:k]
+    jobs = [out / "verify" / str(i + 1) for i in range(len(shown))]
+    launch([(_short_run(p.config, overrides, steps), job) for p, job in zip(shown, jobs)], ranks)
+    return {i: p.samples_per_s * p.step_s / _step_s(job, batch_size) for i, (p, job) in enumerate(zip(shown, jobs))}
 
 
-def calibrate_on_model(
-    costs: ModelCosts,
-    machine: Machine,
-    devices: int,
-    batch_size: int,
-    overrides: Sequence[str],
-    out: Path,
-    steps: int,
-    ranks: int,
-) -> Machine:
-    """The runtime's own time per action, per message and per step, fitted (least squares, through the simulator)
-    to three short runs of the model: 1F1B with the fewest and with the most micro-batches (up to 8 per stage),
-    and the interleaved zero-bubble schedule (two messages per forward, weight halves without any), each on this
-    machine's ``ranks`` processes. The tiny model
-    of ``calibrate`` misses what grows with a real model: its optimizer's and Lightning's step, the runtime's
-    bookkeeping per action and per message."""
+def calibration_runs(costs: ModelCosts, devices: int, batch_size: int) -> list[Config]:
+    """The three short runs of the model that the runtime's costs are fitted to: 1F1B with the fewest and with the
+    most micro-batches (up to 8 per stage), and the interleaved zero-bubble schedule (two messages per forward,
+    weight halves without any)."""
     pp = min(p for p in range(2, devices + 1) if devices % p == 0)
     v = 2 if costs.n_layers >= 2 * pp else 1
     divisors = [m for m in range(1, batch_size + 1) if batch_size % m == 0]
@@ -217,20 +202,26 @@ def calibrate_on_model(
     zero_bubble = [m for m in divisors if m <= 4 * pp * v and _accepted("interleaved_zb", m, pp, pp * v)]
     if v == 2 and zero_bubble:
         runs.append(Config(pp, "interleaved_zb", 2, max(zero_bubble), (), "uniform", False))
-    runs = [replace(c, balance=tuple(uniform_split(costs.n_layers, pp * c.stages_per_rank))) for c in runs]
+    return [replace(c, balance=tuple(uniform_split(costs.n_layers, pp * c.stages_per_rank))) for c in runs]
+
+
+def fit_runtime(
+    costs: ModelCosts, machine: Machine, runs: Sequence[Config], step_s: Sequence[float], devices: int, batch_size: int
+) -> Machine:
+    """The runtime's own time per action, per message and per step that explain the measured ``step_s`` of the
+    ``runs`` best through the simulator (least squares, none negative). The tiny model of ``calibrate`` misses what
+    grows with a real model: its optimizer's and Lightning's step, the runtime's bookkeeping per action and per
+    message."""
 
     def simulated(config: Config, action: float, message: float) -> float:
         trial = replace(machine, action_overhead_s=action, message_overhead_s=message, step_overhead_s=0.0)
         return predict(config, costs, trial, batch_size, devices).step_s
 
-    measured = [
-        _measured_step(c, overrides, out / "calibrate" / str(i), steps, batch_size, ranks) for i, c in enumerate(runs)
-    ]
     base = [simulated(c, 0.0, 0.0) for c in runs]
     rows = [
         [(simulated(c, 1e-3, 0.0) - b) / 1e-3, (simulated(c, 0.0, 1e-3) - b) / 1e-3, 1.0] for c, b in zip(runs, base)
     ]
-    action, message, step = fit_nonnegative(rows, [m - b for m, b in zip(measured, base)])
+    action, message, step = fit_nonnegative(rows, [m - b for m, b in zip(step_s, base)])
     log.info("Runtime costs fitted to %d runs of the model: %.3g ms per action, %.3g ms per message, %.3g ms per"
              " step.", len(runs), 1e3 * action, 1e3 * message, 1e3 * step)  # fmt: skip
     return replace(machine, action_overhead_s=action, message_overhead_s=message, step_overhead_s=step)
@@ -244,24 +235,18 @@ def _accepted(schedule: str, m: int, pp: int, n_stages: int) -> bool:
     return True
 
 
-def _measured_step(
-    config: Config, overrides: Sequence[str], job: Path, steps: int, batch_size: int, ranks: int
-) -> float:
-    """Seconds per step of ``config`` run through ``lightning_pp.train`` for ``steps`` steps with the user's
-    overrides (those the plan chooses, and the planner's own, left out); ``batch_size`` samples per replica.
-
-    Its ``ranks`` processes start together under torchrun, each with the threads training gives it: Lightning's
-    launcher would start the others once rank 0 has imported torch and Lightning (about 9 s a run on a CPU)."""
-    mine = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(("plan.", "costs"))]
+def _short_run(config: Config, overrides: Sequence[str], steps: int) -> list[str]:
+    """The app's overrides that run ``config`` for ``steps`` steps with the user's overrides (those the plan
+    chooses, and the planner's own, left out)."""
+    mine = [o for o in overrides if not o.split("=")[0].lstrip("+~").startswith(("plan.", "costs", "hydra"))]
     mine = [o for o in mine if o.split("=")[0].lstrip("+~") not in {f"strategy.{k}" for k in _CHOSEN}]
     short = [f"trainer.max_steps={steps}", "trainer.limit_val_batches=0", "trainer.num_sanity_val_steps=0",
              "trainer.enable_progress_bar=false"]  # fmt: skip
-    app = ["lightning_pp.train", *mine, *short, *config.overrides().split(), f"hydra.run.dir={job}"]
-    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(_suggested_max_num_threads(ranks))}
-    run = subprocess.run([sys.executable, *torchrun, *app], capture_output=True, text=True, env=env)
-    if run.returncode != 0:
-        raise RuntimeError(f"Running {' '.join(app)} failed:\n{run.stderr[-3000:]}")
+    return [*mine, *short, *config.overrides().split()]
+
+
+def _step_s(job: Path, batch_size: int) -> float:
+    """Seconds per step a run measured (``batch_size`` samples per replica)."""
     return batch_size / json.loads((job / "result.json").read_text())["samples_per_s"]
 
 
@@ -288,11 +273,14 @@ def run(cfg: DictConfig) -> Path:
         batch = next(iter(data.train_dataloader()))
         batch_size = batch_size_of(batch)
         costs = profile_module(module, batch, cfg.strategy.layers, profiled_sizes(batch_size))
-        machine = measure_machine(cfg.trainer.accelerator)
-        if settings.calibrate_steps:
-            machine = calibrate_on_model(
-                costs, machine, devices, batch_size, overrides, out, settings.calibrate_steps, ranks
-            )
+        # the machine and the calibration runs in one launch of the ranks
+        runs = calibration_runs(costs, devices, batch_size) if settings.calibrate_steps else []
+        jobs = [out / "calibrate" / str(i) for i in range(len(runs))]
+        short = [_short_run(c, overrides, settings.calibrate_steps) for c in runs]
+        machine = launch(list(zip(short, jobs)), ranks, cfg.trainer.accelerator)
+        assert machine is not None
+        if runs:
+            machine = fit_runtime(costs, machine, runs, [_step_s(j, batch_size) for j in jobs], devices, batch_size)
     predictions = plan(costs, machine, devices, batch_size, settings.memory_limit_mib, **choices)
     if not predictions:
         raise ValueError(f"No configuration fits plan.memory_limit_mib={settings.memory_limit_mib}; raise it.")

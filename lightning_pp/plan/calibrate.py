@@ -1,11 +1,15 @@
-"""What the machine adds to a step whatever the model: message latency and bandwidth, the runtime's cost per
-action and per step, and a rank's resident memory before any model.
+"""What the machine adds to a step whatever the model (message latency and bandwidth, the runtime's cost per
+action and per step, a rank's resident memory before any model), and the planner's short runs of the app: one
+launch of the ranks for all of them.
 
-Runs as its own job on two local ranks (``python -m torch.distributed.run --nproc_per_node 2 -m
-lightning_pp.plan.calibrate OUT.json [ACCELERATOR]``, started by ``measure_machine``): one ping-pong at two
-message sizes on the real backend, then two short fits of a model whose layers cost nothing through
-``PipelineStrategy`` (1F1B at 2 to 16 micro-batches): what their steps take is the runtime's own cost,
-split into a part per action and a part per step by the simulator.
+``launch`` starts ``python -m torch.distributed.run --standalone --nproc_per_node R -m lightning_pp.plan.calibrate
+SPEC.json`` (``measure_machine``: the machine alone, on two ranks). Each rank imports torch and Lightning once
+(about 10 s on a CPU) for the machine and every run, where a launch per run paid it per run. The machine: one
+ping-pong at two message sizes on the real backend, then short fits of a model whose layers cost nothing through
+``PipelineStrategy`` (1F1B at 1 to 8 micro-batches per rank): what their steps take is the runtime's own cost,
+split into a part per action and a part per step by the simulator. A run: the app's config composed from its
+overrides as ``python -m lightning_pp.train`` composes it, trained by the app's own ``run`` into the run's
+directory (its ``result.json``); each run's process group meets in a store of its own (``lifecycle.rendezvous``).
 """
 
 from __future__ import annotations
@@ -24,33 +28,59 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra import compose, initialize_config_module
+from hydra.core.hydra_config import HydraConfig
 from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+from omegaconf import open_dict
 from torch import nn
 
 from lightning_pp.choose.machine import Machine, base_bytes, ping_pong, save_machine
 from lightning_pp.memory.allocator import return_free_memory
+from lightning_pp.train.app import job_scope, run
 
-_MICROBATCHES = (2, 4, 8, 16)
+_MICROBATCHES = (1, 2, 4, 8)  # per rank
 _STEPS = 20  # per fit; the first 4 are left out
 
 
 def measure_machine(accelerator: str = "cpu", timeout_s: float = 300.0) -> Machine:
-    """Launch the calibration job on two local ranks and read what it measured."""
+    """The machine alone, on two local ranks."""
+    machine = launch((), 2, accelerator, timeout_s)
+    assert machine is not None
+    return machine
+
+
+def launch(
+    runs: Sequence[tuple[Sequence[str], Path]],
+    ranks: int,
+    measure: str | None = None,
+    timeout_s: float | None = None,
+) -> Machine | None:
+    """``ranks`` local processes that first measure the machine on the accelerator ``measure`` names (kept where
+    schedule="auto" reads it), then train each run (the app's overrides, the run's directory) in turn."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "machine.json"
-        env = {**os.environ, "OMP_NUM_THREADS": str(_suggested_max_num_threads(2))}
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        run = subprocess.run(
-            [*command, "-m", "lightning_pp.plan.calibrate", str(out), accelerator],
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "machine.json"
+        spec.write_text(
+            json.dumps({"measure": measure, "machine": str(out), "runs": [[list(o), str(d)] for o, d in runs]})
+        )
+        env = {**os.environ, "OMP_NUM_THREADS": str(_suggested_max_num_threads(ranks))}
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+        done = subprocess.run(
+            [*command, "-m", "lightning_pp.plan.calibrate", str(spec)],
             env=env,
             capture_output=True,
             text=True,
             timeout=timeout_s,
         )
-        if run.returncode != 0:
-            raise RuntimeError(f"The calibration job failed (exit {run.returncode}):\n{run.stderr[-3000:]}")
+        if done.returncode != 0:
+            jobs = "; ".join(" ".join(o) for o, _ in runs) or "none"
+            raise RuntimeError(
+                f"The planner's launch (machine: {measure or 'not measured'}; runs: {jobs}) failed (exit"
+                f" {done.returncode}):\n{done.stderr[-3000:]}"
+            )
+        if measure is None:
+            return None
         machine = Machine(**json.loads(out.read_text()))
-    save_machine(machine, accelerator)  # schedule="auto" reads it: the runtime's costs need these short fits
+    save_machine(machine, measure)  # schedule="auto" reads it: the runtime's costs need these short fits
     return machine
 
 
@@ -65,7 +95,7 @@ class _Free(nn.Module):
         return x * self.scale
 
 
-def _fit_step_times(n_microbatches: int, accelerator: str) -> list[float]:
+def _fit_step_times(n_microbatches: int, accelerator: str, ranks: int) -> list[float]:
     import lightning as L
 
     from lightning_pp.strategy import PipelineStrategy
@@ -73,7 +103,7 @@ def _fit_step_times(n_microbatches: int, accelerator: str) -> list[float]:
     class Tiny(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.layers = nn.ModuleList(_Free() for _ in range(4))
+            self.layers = nn.ModuleList(_Free() for _ in range(max(4, ranks)))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for layer in self.layers:
@@ -96,7 +126,7 @@ def _fit_step_times(n_microbatches: int, accelerator: str) -> list[float]:
 
     trainer = L.Trainer(
         accelerator=accelerator,
-        devices=2,
+        devices=ranks,
         strategy=PipelineStrategy(schedule="1f1b", n_microbatches=n_microbatches),
         max_steps=_STEPS,
         logger=False,
@@ -105,19 +135,20 @@ def _fit_step_times(n_microbatches: int, accelerator: str) -> list[float]:
         enable_model_summary=False,
         callbacks=[Clock()],
     )
-    data = torch.utils.data.DataLoader(torch.zeros(_STEPS * 16, 8), batch_size=16)
+    batch = ranks * _MICROBATCHES[-1]
+    data = torch.utils.data.DataLoader(torch.zeros(_STEPS * batch, 8), batch_size=batch)
     trainer.fit(Tiny(), data)
     return [b - a for a, b in zip(ends[4:], ends[5:])]
 
 
-def _split_overheads(step_s: dict[int, float], latency_s: float) -> tuple[float, float]:
+def _split_overheads(step_s: dict[int, float], latency_s: float, ranks: int) -> tuple[float, float]:
     """The cost per action and per step that make the simulator's 1F1B fit the measured step times best (least
     squares: with actions of cost ``a`` the simulated step is ``a`` times the actions on its critical path plus
     the messages on it)."""
     from lightning_pp.choose.simulate import Costs, simulate
 
     def schedule_s(m: int, action: float) -> float:
-        return simulate("1f1b", 2, m, Costs((action,) * 2, (action,) * 2, message=latency_s)).step_s
+        return simulate("1f1b", ranks, m, Costs((action,) * ranks, (action,) * ranks, message=latency_s)).step_s
 
     ms = sorted(step_s)
     rows = [[schedule_s(m, 1.0) - schedule_s(m, 0.0), 1.0] for m in ms]  # actions on the critical path; one step
@@ -141,21 +172,42 @@ def fit_nonnegative(rows: Sequence[Sequence[float]], values: Sequence[float]) ->
         free.pop(solution.index(min(solution)))
 
 
-def _main(out: str, accelerator: str) -> None:
-    rank = int(os.environ["RANK"])
+def _measure(out: Path, accelerator: str) -> None:
+    rank, ranks = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if accelerator == "gpu" else torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     latency_s, bandwidth = ping_pong(0, 1, device)
-    step_s = {m: statistics.median(_fit_step_times(m, accelerator)) for m in _MICROBATCHES}
+    step_s = {m * ranks: statistics.median(_fit_step_times(m * ranks, accelerator, ranks)) for m in _MICROBATCHES}
     if dist.is_initialized():
         dist.destroy_process_group()
-    action, step = _split_overheads(step_s, latency_s)
+    action, step = _split_overheads(step_s, latency_s, ranks)
     # the fits' models are gone: what they leave in torch's cache or the heap is not the base
     return_free_memory(device)
     if rank == 0:
         machine = Machine(latency_s, bandwidth, action, step, base_bytes(device))
-        Path(out).write_text(json.dumps(asdict(machine), indent=1))
+        out.write_text(json.dumps(asdict(machine), indent=1))
+
+
+def _train(overrides: Sequence[str], job: Path) -> None:
+    """One run of the app, its config composed as ``python -m lightning_pp.train`` composes it."""
+    with initialize_config_module("lightning_pp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=list(overrides), return_hydra_config=True)
+    job.mkdir(parents=True, exist_ok=True)
+    with open_dict(cfg):
+        cfg.hydra.runtime.output_dir = str(job)
+    HydraConfig.instance().set_config(cfg)
+    with open_dict(cfg):
+        del cfg["hydra"]
+    with job_scope():
+        run(cfg)
+
+
+def _main(spec: dict[str, Any]) -> None:
+    if spec["measure"]:
+        _measure(Path(spec["machine"]), spec["measure"])
+    for overrides, job in spec["runs"]:
+        _train(overrides, Path(job))
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu")
+    _main(json.loads(Path(sys.argv[1]).read_text()))
