@@ -14,6 +14,7 @@ directory (its ``result.json``); each run's process group meets in a store of it
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -181,7 +182,8 @@ def _measure(out: Path, accelerator: str) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     action, step = _split_overheads(step_s, latency_s, ranks)
-    # the fits' models are gone: what they leave in torch's cache or the heap is not the base
+    # the fits' models are gone: what they leave (cyclic garbage, torch's cache, the heap) is not the base
+    gc.collect()
     return_free_memory(device)
     if rank == 0:
         machine = Machine(latency_s, bandwidth, action, step, base_bytes(device))

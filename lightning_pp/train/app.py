@@ -10,6 +10,7 @@ rank ran the job's own configuration.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -92,11 +93,16 @@ def check_config(cfg: DictConfig) -> None:
 
 @contextlib.contextmanager
 def job_scope() -> Iterator[None]:
-    """Leave the process as the job found it, so that the next job of a sweep starts its own ranks.
+    """Leave the process as the job found it, so that the next job of a sweep starts its own ranks, and start
+    without what the job before left.
 
     After a job, rank 0 still holds LOCAL_RANK, MASTER_PORT and friends; the next job's Trainer
-    would then think its processes were started externally, start none and wait for them.
+    would then think its processes were started externally, start none and wait for them. The job before's
+    Trainer, model and stages are cyclic garbage that Python's collector would carry into this job's steps: a
+    third job of the same configuration in one process stepped up to 20% slower than the first (a sweep's
+    throughput, the planner's runs), and as fast after a collection.
     """
+    gc.collect()
     environment = dict(os.environ)
     try:
         yield
