@@ -277,8 +277,7 @@ def run(cfg: DictConfig) -> Path:
         runs = calibration_runs(costs, devices, batch_size) if settings.calibrate_steps else []
         jobs = [out / "calibrate" / str(i) for i in range(len(runs))]
         short = [_short_run(c, overrides, settings.calibrate_steps) for c in runs]
-        machine = launch(list(zip(short, jobs)), ranks, cfg.trainer.accelerator)
-        assert machine is not None
+        machine = measure_machine(cfg.trainer.accelerator, ranks, list(zip(short, jobs)), timeout_s=None)
         if runs:
             machine = fit_runtime(costs, machine, runs, [_step_s(j, batch_size) for j in jobs], devices, batch_size)
     predictions = plan(costs, machine, devices, batch_size, settings.memory_limit_mib, **choices)

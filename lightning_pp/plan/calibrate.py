@@ -3,12 +3,12 @@ action and per step, a rank's resident memory before any model), and the planner
 launch of the ranks for all of them.
 
 ``launch`` starts ``python -m torch.distributed.run --standalone --nproc_per_node R -m lightning_pp.plan.calibrate
-SPEC.json`` (``measure_machine``: the machine alone, on two ranks). Each rank imports torch and Lightning once
-(about 10 s on a CPU) for the machine and every run, where a launch per run paid it per run. The machine: one
-ping-pong at two message sizes on the real backend, then short fits of a model whose layers cost nothing through
-``PipelineStrategy`` (1F1B at 1 to 8 micro-batches per rank): what their steps take is the runtime's own cost,
-split into a part per action and a part per step by the simulator. A run: the app's config composed from its
-overrides as ``python -m lightning_pp.train`` composes it, trained by the app's own ``run`` into the run's
+SPEC.json`` (``measure_machine``: the machine first, by default alone on two ranks). Each rank imports torch and
+Lightning once (about 10 s on a CPU) for the machine and every run, where a launch per run paid it per run. The
+machine: one ping-pong at two message sizes on the real backend, then short fits of a model whose layers cost
+nothing through ``PipelineStrategy`` (1F1B at 1 to 8 micro-batches per rank): what their steps take is the runtime's
+own cost, split into a part per action and a part per step by the simulator. A run: the app's config composed from
+its overrides as ``python -m lightning_pp.train`` composes it, trained by the app's own ``run`` into the run's
 directory (its ``result.json``); each run's process group meets in a store of its own (``lifecycle.rendezvous``).
 """
 
@@ -43,26 +43,32 @@ _MICROBATCHES = (1, 2, 4, 8)  # per rank
 _STEPS = 20  # per fit; the first 4 are left out
 
 
-def measure_machine(accelerator: str = "cpu", timeout_s: float = 300.0) -> Machine:
-    """The machine alone, on two local ranks."""
-    machine = launch((), 2, accelerator, timeout_s)
-    assert machine is not None
+def measure_machine(
+    accelerator: str = "cpu",
+    ranks: int = 2,
+    runs: Sequence[tuple[Sequence[str], Path]] = (),
+    timeout_s: float | None = 300.0,
+) -> Machine:
+    """The machine measured on ``ranks`` local processes (kept where schedule="auto" reads it), which then train
+    each of ``runs`` (the app's overrides, the run's directory) in the same launch."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "machine.json"
+        launch(runs, ranks, timeout_s, measure={"accelerator": accelerator, "out": str(out)})
+        machine = Machine(**json.loads(out.read_text()))
+    save_machine(machine, accelerator)  # schedule="auto" reads it: the runtime's costs need these short fits
     return machine
 
 
 def launch(
     runs: Sequence[tuple[Sequence[str], Path]],
     ranks: int,
-    measure: str | None = None,
     timeout_s: float | None = None,
-) -> Machine | None:
-    """``ranks`` local processes that first measure the machine on the accelerator ``measure`` names (kept where
-    schedule="auto" reads it), then train each run (the app's overrides, the run's directory) in turn."""
+    measure: dict[str, str] | None = None,
+) -> None:
+    """``ranks`` local processes that train each run in turn (after measuring the machine, given ``measure``)."""
     with tempfile.TemporaryDirectory() as tmp:
-        spec, out = Path(tmp) / "spec.json", Path(tmp) / "machine.json"
-        spec.write_text(
-            json.dumps({"measure": measure, "machine": str(out), "runs": [[list(o), str(d)] for o, d in runs]})
-        )
+        spec = Path(tmp) / "spec.json"
+        spec.write_text(json.dumps({"measure": measure, "runs": [[list(o), str(d)] for o, d in runs]}))
         env = {**os.environ, "OMP_NUM_THREADS": str(_suggested_max_num_threads(ranks))}
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
         done = subprocess.run(
@@ -72,17 +78,13 @@ def launch(
             text=True,
             timeout=timeout_s,
         )
-        if done.returncode != 0:
-            jobs = "; ".join(" ".join(o) for o, _ in runs) or "none"
-            raise RuntimeError(
-                f"The planner's launch (machine: {measure or 'not measured'}; runs: {jobs}) failed (exit"
-                f" {done.returncode}):\n{done.stderr[-3000:]}"
-            )
-        if measure is None:
-            return None
-        machine = Machine(**json.loads(out.read_text()))
-    save_machine(machine, measure)  # schedule="auto" reads it: the runtime's costs need these short fits
-    return machine
+    if done.returncode != 0:
+        jobs = "; ".join(" ".join(o) for o, _ in runs) or "none"
+        machine = measure["accelerator"] if measure else "not measured"
+        raise RuntimeError(
+            f"The planner's launch (machine: {machine}; runs: {jobs}) failed (exit {done.returncode}):\n"
+            f"{done.stderr[-3000:]}"
+        )
 
 
 class _Free(nn.Module):
@@ -206,7 +208,7 @@ def _train(overrides: Sequence[str], job: Path) -> None:
 
 def _main(spec: dict[str, Any]) -> None:
     if spec["measure"]:
-        _measure(Path(spec["machine"]), spec["measure"])
+        _measure(Path(spec["measure"]["out"]), spec["measure"]["accelerator"])
     for overrides, job in spec["runs"]:
         _train(overrides, Path(job))
 
