@@ -34,6 +34,11 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import job  # noqa: E402  (torch, Lightning and lightning_pp, imported once)
+import torch.fx  # noqa: E402
+
+# A traced model's pieces (split="trace") keep no source line per operation: recording them is a fifth of each
+# trace's time here (most of a small traced job's), and they only annotate torch's own errors from inside a piece
+torch.fx.config.do_not_emit_stack_traces = True
 
 
 def _torchrun_env(request: dict, rank: int, world: int, nodes: int = 1) -> None:

@@ -507,7 +507,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         num_sanity_val_steps=cfg.get("sanity", 2),
     )
     model = build(cfg, None if cfg["strategy"] == "single" else trainer)
-    if cfg["strategy"] == "single" and cfg.get("compile"):  # one process compiled as compile=True compiles
+    # one process compiled as compile=True compiles: inductor fuses and reorders arithmetic; dynamo's eager backend
+    # runs the captured operations as they are, so one process runs them uncompiled (no second compile per layer)
+    compiled = cfg.get("compile")
+    if cfg["strategy"] == "single" and compiled and (compiled is True or compiled.get("backend") != "eager"):
         for block in find_layers(model, cfg.get("blocks", "net.blocks")).values():
             block.compile(**({} if cfg["compile"] is True else cfg["compile"]))
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -1,6 +1,7 @@
 """Compiled blocks under the pipeline: a user's own per-block ``torch.compile`` stays compiled, and ``compile=True``
-compiles each held layer (pruned or traced); each trains as one process compiled the same way on the same
-micro-batches."""
+compiles each held layer (pruned or traced); each trains as one process on the same micro-batches, compiled the
+same way under inductor (dynamo's eager backend runs the captured operations unchanged: one process runs them
+uncompiled)."""
 
 from __future__ import annotations
 
