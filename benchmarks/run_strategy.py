@@ -4,13 +4,14 @@
 
 SCHEDULE and M may be ``auto`` (``PipelineStrategy(schedule="auto")`` leaves the micro-batches, balance and stages
 per rank unset unless OPTIONS_JSON gives them, so the first batch chooses them too). OPTIONS_JSON may set ``shape``
-(a model of ``shapes.py``, the GPT by default), ``balance``, ``stages_per_rank``, ``vocab`` (a heavier
-head), ``activation_checkpointing``, ``compile``, ``monitor`` (PipelineMonitor on: the measured bubble of each step is
-written too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last). Writes the wall
-times between consecutive training-batch ends on rank 0 (and the first batch's start) to the JSON file OUT, every
-rank's minor page faults and system CPU seconds at each of them, and every rank's peak resident memory growth during
-``fit`` (and the absolute peak, and the resident memory before ``fit``); with something given as "auto", the options
-the first batch chose (``trainer.strategy.options`` on rank 0) and what rank 0 logged of the plan.
+(a model of ``shapes.py``, the GPT by default), ``balance``, ``stages_per_rank``, ``vocab`` (a heavier head),
+``activation_checkpointing``, ``compile``, ``memory_limit``, ``monitor`` (PipelineMonitor on: the measured bubble of
+each step is written too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last).
+Writes the wall times between consecutive training-batch ends on rank 0 (and the first batch's start) to the JSON
+file OUT, every rank's minor page faults and system CPU seconds at each of them, and every rank's peak resident
+memory growth during ``fit`` (and the absolute peak, and the resident memory before ``fit``); with something given
+as "auto", the options the first batch chose (``trainer.strategy.options`` on rank 0) and what rank 0 logged of the
+plan.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ if __name__ == "__main__":
     trainer = pipeline_trainer(
         schedule, m, steps, callbacks, balance=options.get("balance"), activation_checkpointing=recompute,
         compile=options.get("compile", False), stages_per_rank=options.get("stages_per_rank"),
+        memory_limit=options.get("memory_limit"),
     )  # fmt: skip
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here
     before = proc_kib("VmRSS:")

@@ -192,6 +192,7 @@ def test_a_module_too_large_to_bring_to_the_ranks_device_is_costed_by_its_flops_
     assert counted.measured[1].forward[1] > 0 and counted.measured[1].saved_bytes[1] > 0
     profiled = profile_module(model, batch, "net.blocks", [1, 4])  # what a step saves, counted as a real one saves it
     assert [c.saved_bytes for c in counted.measured] == [c.saved_bytes for c in profiled.measured]
+    assert [c.backward_bytes for c in counted.measured] == [c.backward_bytes for c in profiled.measured]
     after = model.state_dict()
     assert all(after[k].device == cpu and torch.equal(after[k], v) for k, v in before.items())
 

@@ -3,11 +3,12 @@ own stage; the results equal one process that built the same module and material
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
 import pytest
-from conftest import ok, run_job
+from conftest import ok, run_job, run_script
 from test_errors import assert_all_ranks_gone
 from test_parity import LOSS_TOL, assert_same_logs
 from torch.distributed.checkpoint import FileSystemReader
@@ -160,44 +161,43 @@ def mapped_while_a_16_mib_tensor_lives():  # its own mapping only: a BLAS may ma
     x = torch.ones(2**22)
     return allocator._libc.mallinfo2().hblkhd - before
 
+settle = sys.argv[1] != "limited"  # a memory_limit to keep
 allocator.return_freed_tensors(torch.device("cpu"))
 for _ in range(2):
-    allocator.training_step_begins()
-print(mapped_while_a_16_mib_tensor_lives())
-allocator.training_step_begins()  # the third: measured
+    allocator.training_step_begins(settle)
+third = mapped_while_a_16_mib_tensor_lives()
+allocator.training_step_begins(settle)  # the third: measured
 start = time.perf_counter()
-if sys.argv[1] == "faulting":  # mapped afresh at every micro-batch, as a 16 MiB weight gradient
+if sys.argv[1] != "computing":  # mapped afresh at every micro-batch, as a 16 MiB weight gradient
     while time.perf_counter() - start < 0.5:
         torch.ones(2**22)
 else:
     x = torch.ones(256, 256)
     while time.perf_counter() - start < 0.5:
         x @ x
-allocator.training_step_begins()  # the fourth
-print(mapped_while_a_16_mib_tensor_lives(), flush=True)
+allocator.training_step_begins(settle)  # the fourth
+print("mapped", third, mapped_while_a_16_mib_tensor_lives(), flush=True)
 """
 
 
-def test_the_heap_keeps_big_tensors_once_page_faults_cost_a_step():
+def test_the_heap_keeps_big_tensors_once_page_faults_cost_a_step(tmp_path):
     # a third step spent in page faults (4 MiB tensors and more mapped afresh each time): from the fourth step they
-    # stay in the heap, and the rank says what that means for the user; a step spent computing keeps them mapped
-    # (returned when freed). Both processes at once (one core each): the suite's time
-    jobs = {
-        third_step: subprocess.Popen([sys.executable, "-c", SETTLE_PROGRAM, third_step], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True)
-        for third_step in ("faulting", "computing")
-    }  # fmt: skip
-    for third_step, job in jobs.items():
-        stdout, stderr = job.communicate(timeout=120)
-        assert job.returncode == 0, stderr
-        third, fourth = map(int, stdout.split())  # bytes a 16 MiB tensor maps, at the third step and the fourth
-        assert third >= 16 * MiB, stdout
+    # stay in the heap, and the rank says what that means for the user, unless a memory_limit is to be kept (the
+    # rank says what the lean heap costs it); a step spent computing keeps them mapped (returned when freed)
+    script = tmp_path / "settle.py"
+    script.write_text(SETTLE_PROGRAM)
+    for third_step in ("faulting", "limited", "computing"):
+        code, output = run_script(script, 120, argv=[third_step])
+        assert code == 0, output
+        third, fourth = map(int, re.search(r"^mapped (\d+) (\d+)$", output, re.M).groups())  # a 16 MiB tensor's
+        assert third >= 16 * MiB, output
         # the start-up line has nothing to act on (debug); the change says what it means for the user
-        assert "glibc's mmap threshold fixed" not in stderr, stderr
-        settled = "page faults and heap trims took" in stderr and "faster steps, a peak memory that may grow" in stderr
+        assert "glibc's mmap threshold fixed" not in output, output
+        settled = "page faults and heap trims took" in output and "faster steps, a peak memory that may grow" in output
+        kept = "freed tensors still go back to the OS, as memory_limit needs" in output
         if third_step == "faulting":
-            assert third - fourth >= 15 * MiB, stdout  # the tensor no longer among the mapped blocks
-            assert settled, stderr
+            assert third - fourth >= 15 * MiB, output  # the tensor no longer among the mapped blocks
+            assert settled and not kept, output
         else:
-            assert abs(third - fourth) < MiB, stdout
-            assert not settled, stderr
+            assert abs(third - fourth) < MiB, output
+            assert not settled and kept == (third_step == "limited"), output

@@ -123,10 +123,14 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
 
 
+_FORMAT = "backward_bytes"  # the newest field of Segments
+
+
 def _signature(module: nn.Module, batch: Any, layers: str | None) -> str:
     """The model (its class, parameter names, shapes and dtypes), its layers and the batch's shapes and device
-    type (where the costs were measured: a GPU run's are not a CPU run's of the same model)."""
-    parts = [type(module).__qualname__, str(layers)]
+    type (where the costs were measured: a GPU run's are not a CPU run's of the same model), and what the costs
+    hold (``_FORMAT``: costs cached before a field was measured are measured again, not read without it)."""
+    parts = [_FORMAT, type(module).__qualname__, str(layers)]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
     parts += [
         f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)

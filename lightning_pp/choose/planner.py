@@ -65,7 +65,7 @@ class ModelCosts:
         return replace(points[0], size=size, **fitted)
 
 
-_AFFINE = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "boundary_bytes")
+_AFFINE = ("forward", "backward", "input_grad", "weight_grad", "saved_bytes", "boundary_bytes", "backward_bytes")
 
 
 @dataclass(frozen=True)
@@ -196,8 +196,8 @@ def predict(config: Config, costs: ModelCosts, machine: Machine, batch_size: int
 def _memory(
     config: Config, costs: ModelCosts, machine: Machine, batch_size: int, devices: int
 ) -> tuple[list[int], list[int], list[int]]:
-    """Per pipeline rank: its peak bytes (parameters, gradients, optimizer state, activations, base), the peak of
-    its saved activations, and its parameter bytes."""
+    """Per pipeline rank: its peak bytes (parameters, gradients, optimizer state, activations, base, and what its
+    costliest backward holds beyond them), the peak of its saved activations, and its parameter bytes."""
     pp, v, m = config.pipeline_parallel_size, config.stages_per_rank, config.n_microbatches
     segments = costs.at(batch_size // m)
     stages = _stage_segments(config.balance, costs.n_layers)
@@ -208,15 +208,20 @@ def _memory(
     ]
     # recomputing a layer holds its whole activations again for the length of its backward
     transient = max((segments.saved_bytes[k] for k in recomputed), default=0)
+    # a stage's costliest segment backward, on top of its saved activations (none where the costs were typed in)
+    measured = segments.backward_bytes or (0,) * len(segments.saved_bytes)
+    backward = [max((measured[k] for k in ks), default=0) for ks in stages]
     dp = devices // pp
     # FSDP2 keeps a stage unsharded for the step (fsdp_reshard="step"): what it shards is the optimizer state
     state = costs.optimizer_state_ratio / (dp if config.data_parallel == "fsdp" else 1)
     actions = rank_actions(config.schedule, pp, m, v)
     peaks, saved, mine = [], [], []
     for r in range(pp):
-        mine.append(sum(params[s] for s in stages_of_rank(config.schedule, r, pp, v)))
+        held_stages = stages_of_rank(config.schedule, r, pp, v)
+        mine.append(sum(params[s] for s in held_stages))
         saved.append(int(activation_peak(actions[r], held) + transient))
-        peaks.append(int(machine.base_bytes + mine[-1] * (2 + state) + saved[-1]))
+        most = max(backward[s] for s in held_stages)
+        peaks.append(int(machine.base_bytes + mine[-1] * (2 + state) + saved[-1] + most))
     return peaks, saved, mine
 
 

@@ -96,8 +96,9 @@ def return_free_memory(device: torch.device) -> None:
         _libc.malloc_trim(0)
 
 
-def training_step_begins() -> None:
-    """Keep the lean heap while it costs less than ``FAULT_SHARE`` of a step; past that, glibc's own ways.
+def training_step_begins(settle: bool = True) -> None:
+    """Keep the lean heap while it costs less than ``FAULT_SHARE`` of a step; past that, glibc's own ways, unless
+    ``settle`` is False (a ``memory_limit`` to keep: the heap's fragments are what a cap cannot afford).
 
     The lean heap costs time twice: the trims before a backward (the call walks the heap's free chunks; the
     pages it returns are faulted in again at the next step), and tensors of 4 MiB and more mapped afresh at
@@ -117,7 +118,16 @@ def training_step_begins() -> None:
     elif _steps == 4 and _third_step is not None:
         wall, faults = (now - then for now, then in zip(_clock(), _third_step))
         share = (faults * _fault_s() + _trim_s) / wall
-        if share > FAULT_SHARE:
+        if share > FAULT_SHARE and not settle:
+            _log.info(
+                rank_prefixed_message(
+                    f"PipelineStrategy: page faults and heap trims took {share:.0%} of this rank's third training"
+                    " step; freed tensors still go back to the OS, as memory_limit needs (without a limit they would"
+                    " be kept for reuse: faster steps, a higher peak)",
+                    rank_zero_only.rank,
+                )
+            )
+        elif share > FAULT_SHARE:
             _trimming = False
             _libc.mallopt(_M_MMAP_THRESHOLD, STEADY_MMAP_THRESHOLD)
             _libc.mallopt(_M_TRIM_THRESHOLD, 2 * STEADY_MMAP_THRESHOLD)

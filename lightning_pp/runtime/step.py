@@ -150,7 +150,7 @@ class PipelineRunner:
         self._loss_scales = list(loss_scale) if isinstance(loss_scale, list) else [loss_scale] * m
         self._weights = weights
         if train:
-            training_step_begins()
+            training_step_begins(settle=self._forecast is None or self._forecast.forecast.limit_mib is None)
             if self._forecast is not None:
                 self._forecast.training_step_begins()
         with running_stages():

@@ -35,6 +35,7 @@ from lightning_pp.memory.materialize import without_data
 from lightning_pp.split.experts import EXPERTS_FLOPS
 from lightning_pp.split.partition import Costs
 from lightning_pp.split.pruned import sendable
+from lightning_pp.split.transient import BackwardBytes
 
 
 def sum_of_outputs(output: Any) -> torch.Tensor:
@@ -216,9 +217,10 @@ def _timed_run(
     run_forward: Callable[[], Any],
     now: Callable[[], float],
     cold: Callable[..., None] = lambda *_: None,
+    backward_in: contextlib.AbstractContextManager | None = None,
 ) -> _Run:
     """Forward and backward of ``run_forward``'s outputs, read off the clock ``now`` (seconds, or FLOPs
-    counted so far), ``cold`` called before each segment starts."""
+    counted so far), ``cold`` called before each segment starts, the backward inside ``backward_in``."""
     n = len(layers)
     starts, ends = [0.0] * n, [0.0] * n
     grad_at: list[float | None] = [None] * n  # when backward reached each layer's output
@@ -268,7 +270,8 @@ def _timed_run(
         loss = sum_of_outputs(run_forward())
         t1 = now()
         cold()
-        loss.backward()
+        with backward_in or contextlib.nullcontext():
+            loss.backward()
         t2 = now()
     finally:
         for h in handles:
@@ -323,6 +326,7 @@ class Segments:
     saved_bytes: tuple[int, ...]
     boundary_bytes: tuple[int, ...]
     param_bytes: tuple[int, ...]
+    backward_bytes: tuple[int, ...] = ()  # what each segment's backward holds beyond its saved bytes (none typed in)
 
 
 def measure_segments(
@@ -335,7 +339,9 @@ def measure_segments(
     with _untouched(module, device):
         inputs: dict[int, tuple[tuple, dict]] = {}
         with _layer_inputs(layers, inputs), _SavedBytes(module, layers) as counted:
-            sum_of_outputs(run_step()).backward()
+            loss = sum_of_outputs(run_step())
+            with counted.backward:
+                loss.backward()
         runs = [_timed_run(layers, run_step, clock.now, clock.cold) for _ in range(repeats + 1)][1:]
         split = [_split_backward(layer, *inputs[i], clock.now, repeats) for i, layer in enumerate(layers.values())]
     forward = [statistics.median(r.forward[k] for r in runs) for k in range(len(layers) + 2)]
@@ -352,6 +358,7 @@ def measure_segments(
         saved_bytes=tuple(counted.saved),
         boundary_bytes=tuple(counted.boundary),
         param_bytes=tuple(counted.param_bytes(module)),
+        backward_bytes=tuple(counted.backward.peaks),
     )
 
 
@@ -367,7 +374,7 @@ def count_segments(
         _SavedBytes(module, layers) as counted,
         _flop_counter() as counter,
     ):
-        run = _timed_run(layers, run_step, lambda: float(counter.get_total_flops()))
+        run = _timed_run(layers, run_step, lambda: float(counter.get_total_flops()), backward_in=counted.backward)
     seconds = [tuple(f / flops_per_s for f in flops) for flops in (run.forward, run.backward)]
     half = tuple(b / 2 for b in seconds[1])
     return Segments(
@@ -379,6 +386,7 @@ def count_segments(
         saved_bytes=tuple(counted.saved),
         boundary_bytes=tuple(counted.boundary),
         param_bytes=tuple(counted.param_bytes(module)),
+        backward_bytes=tuple(counted.backward.peaks),
     )
 
 
@@ -433,7 +441,8 @@ def _split_backward(
 
 class _SavedBytes:
     """Bytes autograd saves for backward in each segment (each storage once, parameters excluded, counted where
-    first saved), and the bytes each segment hands to the next."""
+    first saved), the bytes each segment hands to the next, and (``backward``, entered around the backward pass)
+    what each segment's backward holds beyond them."""
 
     def __init__(self, module: nn.Module, layers: Mapping[str, nn.Module]) -> None:
         self._params = {p.untyped_storage()._cdata for p in module.parameters()}
@@ -441,6 +450,7 @@ class _SavedBytes:
         n = len(self._layers)
         self.saved = [0] * (n + 2)
         self.boundary = [0] * (n + 2)
+        self.backward = BackwardBytes(n + 2)
         self._seen: set[int] = set()
         self._segment = 0
         self._used: dict[nn.Module, int] = {}  # the segment where each module first runs
@@ -472,6 +482,9 @@ class _SavedBytes:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.boundary[i] = _nbytes((args, kwargs))  # segment i (before, or the previous layer) hands this on
             self._segment = i + 1
+            for t in tree_flatten((args, kwargs))[0]:  # their gradients complete: segment i's backward begins
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(lambda _grad: self.backward.reached(i))
 
         return hook
 
@@ -480,6 +493,9 @@ class _SavedBytes:
             if i == len(self._layers) - 1:
                 self.boundary[i + 1] = _nbytes(output)
                 self._segment = i + 2
+                for t in tree_flatten(output)[0]:  # their gradients complete: the last layer's backward begins
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(lambda _grad: self.backward.reached(i + 1))
 
         return hook
 
