@@ -4,8 +4,9 @@
 # Runs tests/test_gpu.py (NCCL between stages, stages materialised on their device, FSDP2 inside stages,
 # fp16 with the CUDA GradScaler, bf16-mixed, 2BW, CUDA-event telemetry; each skips, saying why, where the
 # machine has too few GPUs), then the overhead, schedule and compile benchmarks on 2 GPUs (on one, the compile
-# benchmark alone, both stages on it). Writes OUT/tests.xml (JUnit: what passed, failed, skipped),
-# OUT/overhead_*.json, OUT/schedules.json and OUT/compiled.json.
+# benchmark alone, both stages on it), and the planner's count of a backward's memory against CUDA's allocator.
+# Writes OUT/tests.xml (JUnit: what passed, failed, skipped), OUT/overhead_*.json, OUT/schedules.json,
+# OUT/compiled.json and OUT/transient_cuda.json.
 # Uses .venv (scripts/setup.sh), or the Python in $PYTHON: a CUDA build of torch is needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +21,7 @@ fi
 nvidia-smi -L || true
 status=0
 "$python" -m pytest -q -rs -m gpu tests/test_gpu.py --junitxml "$out/tests.xml" || status=$?
+BENCH_RESULTS="$out" "$python" benchmarks/transient_cuda.py || status=$?
 if [ "$gpus" -ge 2 ]; then
     export BENCH_ACCELERATOR=cuda BENCH_RESULTS="$out"
     for schedule in gpipe 1f1b; do

@@ -123,7 +123,7 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
 
 
-_FORMAT = "backward_bytes"  # the newest field of Segments
+_FORMAT = "backward_bytes net"  # the newest field of Segments, and how it is counted
 
 
 def _signature(module: nn.Module, batch: Any, layers: str | None) -> str:

@@ -236,9 +236,7 @@ def _timed_run(
             cold(inputs)
             starts[i] = now()
             if i == 0:
-                for t in tree_flatten(inputs)[0]:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(reached_input)
+                _on_gradients(inputs, reached_input)
 
         return hook
 
@@ -252,9 +250,7 @@ def _timed_run(
             if i == n - 1:
                 cold(output)
             ends[i] = now()
-            for t in tree_flatten(output)[0]:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(reached)
+            _on_gradients(output, reached)
 
         return hook
 
@@ -476,15 +472,14 @@ class _SavedBytes:
         if key not in self._params and key not in self._seen:
             self._seen.add(key)
             self.saved[self._segment] += tensor.untyped_storage().nbytes()
+            self.backward.watch(tensor.untyped_storage())
         return tensor
 
     def _enter(self, i: int) -> Callable[..., None]:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.boundary[i] = _nbytes((args, kwargs))  # segment i (before, or the previous layer) hands this on
             self._segment = i + 1
-            for t in tree_flatten((args, kwargs))[0]:  # their gradients complete: segment i's backward begins
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(lambda _grad: self.backward.reached(i))
+            _on_gradients((args, kwargs), lambda _grad: self.backward.reached(i))  # segment i's backward begins
 
         return hook
 
@@ -493,9 +488,7 @@ class _SavedBytes:
             if i == len(self._layers) - 1:
                 self.boundary[i + 1] = _nbytes(output)
                 self._segment = i + 2
-                for t in tree_flatten(output)[0]:  # their gradients complete: the last layer's backward begins
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(lambda _grad: self.backward.reached(i + 1))
+                _on_gradients(output, lambda _grad: self.backward.reached(i + 1))  # the last layer's backward begins
 
         return hook
 
@@ -524,6 +517,13 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     runs every Python frame called under it through dynamo): dynamo cannot read sizes, clocks or storages off its
     fake tensors, and recompiles a hook per tensor stride until its limit."""
     return torch.compiler.disable(hook, recursive=True)
+
+
+def _on_gradients(tree: Any, hook: Callable[[torch.Tensor], None]) -> None:
+    """``hook`` called with each gradient of ``tree``'s tensors that need one, as backward computes it."""
+    for t in tree_flatten(tree)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(hook)
 
 
 def _nbytes(tree: Any) -> int:
