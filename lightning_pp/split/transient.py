@@ -2,9 +2,10 @@
 
 A stage's peak comes during one of its backwards: its saved activations, and on top of them the gradients the
 backward computes (to its inputs and through its intermediates, its weights' gradients, which past a step's first
-micro-batch exist beside ``.grad`` until they are added in). For most layers that is a few activations' worth; for a
-vocabulary head it is the logits' gradient twice over (cross-entropy's, then the softmax's), each as large as the
-logits: the largest single term of a language model's last stage, which the saved bytes alone leave out.
+micro-batch exist beside ``.grad`` until they are added in), less the saved activations it has freed by then. For
+most layers that is about their weights' gradients; for a vocabulary head it is the logits' gradient beside the head's
+weight gradient (8 GiB for 2 x 4096 tokens at Llama 3's 128256): the largest single term of a language model's last
+stage, which the saved bytes alone leave out.
 """
 
 from __future__ import annotations
