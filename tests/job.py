@@ -512,7 +512,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     compiled = cfg.get("compile")
     if cfg["strategy"] == "single" and compiled and (compiled is True or compiled.get("backend") != "eager"):
         for block in find_layers(model, cfg.get("blocks", "net.blocks")).values():
-            block.compile(**({} if cfg["compile"] is True else cfg["compile"]))
+            block.compile(**({} if compiled is True else compiled))
     whole_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     if trainer.global_rank == 0 and not any(p.is_meta for p in model.parameters()):
         torch.save(model.state_dict(), out / "initial.pt")

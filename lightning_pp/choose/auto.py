@@ -40,7 +40,7 @@ from lightning_pp.choose.machine import (
     STAND_IN,
     Machine,
     base_bytes,
-    matmul_rate,
+    device_speed,
     ping_pong,
     save_machine,
     saved_machine,
@@ -188,10 +188,13 @@ def _model_costs(module: nn.Module, batch: Any, layers: str | None) -> tuple[Mod
     at, meta = next(module.parameters()).device, any(p.is_meta for p in module.parameters())
     held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
     if meta or not _measured_here(at, device, held, _free_bytes(device)):
-        rate = matmul_rate(device, next(module.parameters()).dtype)
-        costs = counted_costs(module, batch, layers, profiled_sizes(size), rate, device)
+        speed = device_speed(device, next(module.parameters()).dtype)
+        costs = counted_costs(module, batch, layers, profiled_sizes(size), speed, device)
         why = "" if meta else f" (the module is on the {at.type}, too large to measure on {device})"
-        return costs, f"the first batch's FLOPs counted on fake tensors{why} at {rate / 1e9:.0f} GFLOP/s"
+        return costs, (
+            f"the first batch's FLOPs and operations counted on fake tensors{why} at {speed.flops_per_s / 1e9:.0f}"
+            f" GFLOP/s and {speed.seconds_per_op * 1e6:.1f} us an operation"
+        )
     gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
     # moved outside inference mode (the sanity check's), or the weights would come back as inference tensors
     with (

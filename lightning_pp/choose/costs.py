@@ -25,7 +25,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.memory.materialize import on_fake
 from lightning_pp.split.experts import eager_experts_fix
 from lightning_pp.split.microbatch import batch_size_of, split_batch
-from lightning_pp.split.profiling import Segments, count_segments, measure_segments, sum_of_outputs
+from lightning_pp.split.profiling import DeviceSpeed, Segments, count_segments, measure_segments, sum_of_outputs
 from lightning_pp.split.stage import find_layers, patched, resolve_layers, without_kv_cache
 
 
@@ -45,12 +45,17 @@ def profile_module(module: L.LightningModule, batch: Any, layers: str | None, si
 
 
 def counted_costs(
-    module: L.LightningModule, batch: Any, layers: str | None, sizes: Sequence[int], rate: float, device: torch.device
+    module: L.LightningModule,
+    batch: Any,
+    layers: str | None,
+    sizes: Sequence[int],
+    speed: DeviceSpeed,
+    device: torch.device,
 ) -> ModelCosts:
-    """A module built on meta, or one whose weights stay where they are: the FLOPs of its own step counted on fake
-    tensors at micro-batches of ``sizes`` samples, at ``rate`` FLOP/s (a matmul's on the rank's device; memory-bound
-    work is missed) as the code runs on ``device``; the optimizer costed as Adam's state and no time. Nothing runs on
-    the module's own tensors."""
+    """A module built on meta, or one whose weights stay where they are: the FLOPs and operations of its own step
+    counted on fake tensors at micro-batches of ``sizes`` samples, at the rank's device's ``speed`` (a matmul's FLOP/s
+    and a small operation's seconds; memory-bound work is missed) as the code runs on ``device``; the optimizer
+    costed as Adam's state and no time. Nothing runs on the module's own tensors."""
     blocks = find_layers(module, resolve_layers(module, layers))
     full = batch_size_of(batch)
     measured = []
@@ -60,7 +65,7 @@ def counted_costs(
             for size in sorted(set(sizes)):
                 micro = split_batch(faked, full // size)[0]
                 step = functools.partial(module.training_step, micro, 0)
-                measured.append(count_segments(module, blocks, step, size, rate))
+                measured.append(count_segments(module, blocks, step, size, speed))
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
         fix = eager_experts_fix(module)
         raise PipelineConfigError(
@@ -123,7 +128,7 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
 
 
-_FORMAT = "backward_bytes net"  # the newest field of Segments, and how it is counted
+_FORMAT = "operations counted"  # what changed last in Segments or in how they are counted
 
 
 def _signature(module: nn.Module, batch: Any, layers: str | None) -> str:

@@ -109,6 +109,7 @@ class PipelineRunner:
         self._ddp: dict[int, nn.Module] = {}
         self._recompiles = RecompileWatch(dist.get_rank() if dist.is_initialized() else 0)
         self._forecast = None if forecast is None else ForecastCheck(forecast, label, device)
+        self._settle = forecast is None or forecast.limit_mib is None  # a memory_limit keeps the lean heap
         self._entries = entries
         self._shared = shared  # parameters other stages hold too (see lightning_pp.split.tied)
         self._schedules: OrderedDict[tuple, tuple[_PipelineSchedule, list[StageModule]]] = OrderedDict()
@@ -150,7 +151,7 @@ class PipelineRunner:
         self._loss_scales = list(loss_scale) if isinstance(loss_scale, list) else [loss_scale] * m
         self._weights = weights
         if train:
-            training_step_begins(settle=self._forecast is None or self._forecast.forecast.limit_mib is None)
+            training_step_begins(settle=self._settle)
             if self._forecast is not None:
                 self._forecast.training_step_begins()
         with running_stages():

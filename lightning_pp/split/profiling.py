@@ -358,25 +358,56 @@ def measure_segments(
     )
 
 
+class DeviceSpeed(NamedTuple):
+    """How fast a device runs counted work: a matmul's FLOP/s, and the seconds each operation dispatched costs
+    beside its FLOPs (Python, the dispatcher, autograd's bookkeeping, a kernel's launch). The second is what a
+    small model's layers are made of: the default app's 64-wide GPT took 15x its FLOPs' time per layer at one
+    sample on this project's CPU machine, about 10 us for each of a block's 134 operations."""
+
+    flops_per_s: float
+    seconds_per_op: float
+
+
+class _Work(TorchDispatchMode):
+    """Operations dispatched so far (each once, before the modes below it see it), beside torch's FLOP counter; not
+    the ``prim`` queries a fake tensor answers by dispatch (its device: five per operation) and a real one does not."""
+
+    def __init__(self, flops: FlopCounterMode) -> None:
+        super().__init__()
+        self.flops, self.ops = flops, 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops += func.namespace != "prim"
+        return func(*args, **(kwargs or {}))
+
+    def seconds(self, speed: DeviceSpeed) -> float:
+        return self.flops.get_total_flops() / speed.flops_per_s + self.ops * speed.seconds_per_op
+
+
+@contextlib.contextmanager
+def counted_work() -> Iterator[_Work]:
+    """The FLOPs and operations dispatched inside the block, counted."""
+    with _flop_counter() as flops, _Work(flops) as work:
+        yield work
+
+
 def count_segments(
-    module: nn.Module, layers: Mapping[str, nn.Module], run_step: Callable[[], Any], size: int, flops_per_s: float
+    module: nn.Module, layers: Mapping[str, nn.Module], run_step: Callable[[], Any], size: int, speed: DeviceSpeed
 ) -> Segments:
-    """``measure_segments`` for a module (and batch) without data (meta or fake tensors): FLOPs of each segment's
-    forward and backward at ``flops_per_s``, the backward's input and weight halves taken equal; saved bytes counted
-    as they are."""
-    meta = torch.device("meta")
+    """``measure_segments`` for a module (and batch) without data (meta or fake tensors): each segment's forward and
+    backward as long as the FLOPs and operations it dispatches take at ``speed``, the backward's input and weight
+    halves taken equal; saved bytes counted as they are."""
     with (
-        _untouched(module, meta),
+        _untouched(module, torch.device("meta")),
         _SavedBytes(module, layers) as counted,
-        _flop_counter() as counter,
+        counted_work() as work,
     ):
-        run = _timed_run(layers, run_step, lambda: float(counter.get_total_flops()), backward_in=counted.backward)
-    seconds = [tuple(f / flops_per_s for f in flops) for flops in (run.forward, run.backward)]
-    half = tuple(b / 2 for b in seconds[1])
+        run = _timed_run(layers, run_step, lambda: work.seconds(speed), backward_in=counted.backward)
+    half = tuple(b / 2 for b in run.backward)
     return Segments(
         size=size,
-        forward=seconds[0],
-        backward=seconds[1],
+        forward=tuple(run.forward),
+        backward=tuple(run.backward),
         input_grad=half,
         weight_grad=half,
         saved_bytes=tuple(counted.saved),
