@@ -15,6 +15,7 @@ see, but timing needs each layer's real weights and inputs in turn.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import time
@@ -29,7 +30,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, _FlopCounterMode
 
 from lightning_pp.memory.materialize import without_data
 from lightning_pp.split.experts import EXPERTS_FLOPS
@@ -112,13 +113,17 @@ def _grouped_mm_backward_flops(a: torch.Size, b: torch.Size, *_: Any, **__: Any)
 def _flop_counter() -> Iterator[FlopCounterMode]:
     """torch's FLOP counter, counting MoE experts' grouped matmuls too: torch's, and in a trace (torch.export of a
     float32 model) transformers' ``grouped_mm_fallback`` custom ops, which the counter cannot see into, and the ops
-    a trace records in place of experts sharded over replicas or adapted by LoRA."""
+    a trace records in place of experts sharded over replicas or adapted by LoRA. Its dispatch mode alone counts,
+    not its per-module breakdown, whose tracker hooks each module's outputs with a hook that an ``autograd.grad``
+    over leaves (torch's split backward, counted by ``count_segments``) cannot run ("A leaf node was passed to
+    _will_engine_execute_node"); the total is the same."""
     formulas = {torch.ops.aten._grouped_mm: _grouped_mm_flops, **EXPERTS_FLOPS}
     fallback = torch.ops.transformers  # a namespace of ops transformers registers when its MoE code is imported
     if hasattr(fallback, "grouped_mm_fallback") and hasattr(fallback, "grouped_mm_fallback_backward"):
         formulas[fallback.grouped_mm_fallback] = _grouped_mm_flops
         formulas[fallback.grouped_mm_fallback_backward] = _grouped_mm_backward_flops
-    with FlopCounterMode(display=False, custom_mapping=formulas) as counter, _GroupedInBf16():
+    counter = FlopCounterMode(display=False, custom_mapping=formulas)
+    with _FlopCounterMode(counter), _GroupedInBf16():
         yield counter
 
 
@@ -342,15 +347,25 @@ def measure_segments(
         split = [_split_backward(layer, *inputs[i], clock.now, repeats) for i, layer in enumerate(layers.values())]
     forward = [statistics.median(r.forward[k] for r in runs) for k in range(len(layers) + 2)]
     backward = [statistics.median(r.backward[k] for r in runs) for k in range(len(layers) + 2)]
+    return _segments(module, size, _Run(forward, backward), split, counted)
+
+
+def _segments(
+    module: nn.Module, size: int, run: _Run, split: list[tuple[float, float, float]], counted: _SavedBytes
+) -> Segments:
+    """A step's ``run`` and each layer's backward run alone, whole and split (``split``: full, input half, weight
+    half), as Segments: each layer's backward cut into halves in the shares its split took (split, a backward costs
+    more than whole: torch's two passes each walk the graph), the parts before and after the layers in the layers'
+    overall shares."""
     alone = sum(b for b, _, _ in split) or 1.0
     shares = [(sum(i for _, i, _ in split) / alone, sum(w for _, _, w in split) / alone)]
     shares = shares + [(i / (b or 1.0), w / (b or 1.0)) for b, i, w in split] + shares
     return Segments(
         size=size,
-        forward=tuple(forward),
-        backward=tuple(backward),
-        input_grad=tuple(b * i for b, (i, _) in zip(backward, shares)),
-        weight_grad=tuple(b * w for b, (_, w) in zip(backward, shares)),
+        forward=tuple(run.forward),
+        backward=tuple(run.backward),
+        input_grad=tuple(b * i for b, (i, _) in zip(run.backward, shares)),
+        weight_grad=tuple(b * w for b, (_, w) in zip(run.backward, shares)),
         saved_bytes=tuple(counted.saved),
         boundary_bytes=tuple(counted.boundary),
         param_bytes=tuple(counted.param_bytes(module)),
@@ -383,6 +398,13 @@ class _Work(TorchDispatchMode):
     def seconds(self, speed: DeviceSpeed) -> float:
         return self.flops.get_total_flops() / speed.flops_per_s + self.ops * speed.seconds_per_op
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """The block's operations not counted (the profile's own copies of a layer's inputs, which have no FLOPs)."""
+        ops = self.ops
+        yield
+        self.ops = ops
+
 
 @contextlib.contextmanager
 def counted_work() -> Iterator[_Work]:
@@ -395,35 +417,29 @@ def count_segments(
     module: nn.Module, layers: Mapping[str, nn.Module], run_step: Callable[[], Any], size: int, speed: DeviceSpeed
 ) -> Segments:
     """``measure_segments`` for a module (and batch) without data (meta or fake tensors): each segment's forward and
-    backward as long as the FLOPs and operations it dispatches take at ``speed``, the backward's input and weight
-    halves taken equal; saved bytes counted as they are."""
-    with (
-        _untouched(module, torch.device("meta")),
-        _SavedBytes(module, layers) as counted,
-        counted_work() as work,
-    ):
-        run = _timed_run(layers, run_step, lambda: work.seconds(speed), backward_in=counted.backward)
-    half = tuple(b / 2 for b in run.backward)
-    return Segments(
-        size=size,
-        forward=tuple(run.forward),
-        backward=tuple(run.backward),
-        input_grad=half,
-        weight_grad=half,
-        saved_bytes=tuple(counted.saved),
-        boundary_bytes=tuple(counted.boundary),
-        param_bytes=tuple(counted.param_bytes(module)),
-        backward_bytes=tuple(counted.backward.peaks),
-    )
+    backward, and each layer's backward alone, whole and split, as long as the FLOPs and operations they dispatch
+    take at ``speed``; saved bytes counted as they are."""
+    inputs: dict[int, tuple[tuple, dict]] = {}
+    with _untouched(module, torch.device("meta")), counted_work() as work:
+        clock = functools.partial(work.seconds, speed)
+        with _layer_inputs(layers, inputs, around=work.paused), _SavedBytes(module, layers) as counted:
+            run = _timed_run(layers, run_step, clock, backward_in=counted.backward)
+        split = [_split_backward(layer, *inputs[i], clock, repeats=1) for i, layer in enumerate(layers.values())]
+    return _segments(module, size, run, split, counted)
 
 
 @contextlib.contextmanager
-def _layer_inputs(layers: Mapping[str, nn.Module], into: dict[int, tuple[tuple, dict]]) -> Iterator[None]:
-    """Detached copies of what each layer receives, for running it alone."""
+def _layer_inputs(
+    layers: Mapping[str, nn.Module],
+    into: dict[int, tuple[tuple, dict]],
+    around: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> Iterator[None]:
+    """Detached copies of what each layer receives, for running it alone, each made inside ``around()``."""
 
     def keep(i: int) -> Callable[..., None]:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
-            into[i] = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+            with around():
+                into[i] = tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
 
         return hook
 
