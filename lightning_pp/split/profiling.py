@@ -424,8 +424,25 @@ def count_segments(
         clock = functools.partial(work.seconds, speed)
         with _layer_inputs(layers, inputs, around=work.paused), _SavedBytes(module, layers) as counted:
             run = _timed_run(layers, run_step, clock, backward_in=counted.backward)
-        split = [_split_backward(layer, *inputs[i], clock, repeats=1) for i, layer in enumerate(layers.values())]
+        split, counts = [], {}  # a layer alike one counted before counts the same
+        for i, layer in enumerate(layers.values()):
+            key = _alike(layer, *inputs[i])
+            if key not in counts:
+                counts[key] = _split_backward(layer, *inputs[i], clock, 1, warm_up=0)
+            split.append(counts[key])
     return _segments(module, size, run, split, counted)
+
+
+def _alike(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """What a layer's count depends on: its class, its parameters' shapes and dtypes and which train, and its
+    inputs' (the blocks of a transformer are alike)."""
+
+    def described(t: Any) -> Any:
+        return (tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else repr(t)
+
+    params = tuple((n, described(p)) for n, p in layer.named_parameters())
+    leaves, spec = tree_flatten((args, kwargs))
+    return type(layer), params, str(spec), tuple(map(described, leaves))
 
 
 @contextlib.contextmanager
@@ -454,12 +471,13 @@ def _layer_inputs(
 
 
 def _split_backward(
-    layer: nn.Module, args: tuple, kwargs: dict, now: Callable[[], float], repeats: int
+    layer: nn.Module, args: tuple, kwargs: dict, now: Callable[[], float], repeats: int, warm_up: int = 1
 ) -> tuple[float, float, float]:
-    """Seconds of one layer's full backward, and of its input and weight halves, run alone."""
+    """Seconds of one layer's full backward, and of its input and weight halves, run alone (the median of
+    ``repeats`` runs after ``warm_up``)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     full, first, second = [], [], []
-    for _ in range(repeats + 1):
+    for _ in range(warm_up + repeats):
         a, kw = tree_map(
             lambda t: t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t,
             (args, kwargs),
@@ -479,7 +497,7 @@ def _split_backward(
         full.append(now() - t3)
         first.append(t1 - t0)
         second.append(t2 - t1)
-    return tuple(statistics.median(x[1:]) for x in (full, first, second))  # type: ignore[return-value]
+    return tuple(statistics.median(x[warm_up:]) for x in (full, first, second))  # type: ignore[return-value]
 
 
 class _SavedBytes:
