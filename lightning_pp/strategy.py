@@ -368,8 +368,7 @@ class PipelineStrategy(ParallelStrategy):
         return self._runner.last_events if self._runner is not None else []
 
     def _weights_of(self, batch: Any, m: int) -> Optional[list[float]]:
-        fn = self.options.microbatch_weight
-        return None if fn is None else weights_of(fn, split_batch(batch, m))
+        return None if (fn := self.options.microbatch_weight) is None else weights_of(fn, split_batch(batch, m))
 
     def microbatches_for(self, batch_size: int) -> int:
         return microbatches_for(self.options, batch_size, self.layout.pp, self.n_stages)
@@ -378,10 +377,11 @@ class PipelineStrategy(ParallelStrategy):
         """At the first batch: learn the module's structure; hold, materialise, shard and restore this rank's stages."""
         if self._runner is not None:
             return self._runner
-        if self.options.auto and not self.options.planned:  # schedule="auto" and the like: chosen now
-            self.options = self._holding.options = chosen_options(
-                self.lightning_module, args[0], self.options, self.layout, self._groups.pp, self._pending
-            )
+        if self.options.auto and not self.options.planned:  # schedule="auto" and the like: chosen now,
+            with self.precision_plugin.train_step_context():  # costed as training runs, whichever hook comes first
+                self.options = self._holding.options = chosen_options(
+                    self.lightning_module, args[0], self.options, self.layout, self._groups.pp, self._pending
+                )
         module, layout = self.lightning_module, self.layout
         if self._placement is None:
             m = self.microbatches_for(batch_size_of(args[0]))

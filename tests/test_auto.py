@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFOPT, MOE, HFLlama, HFMoEEager, LoraLlama, TinyGPT
+from models import HFOPT, MOE, HFLlama, HFMoEEager, LoraLlama, TinyGPT, loader
 from test_parity import common
 from test_tied import assert_state_equal, combined
 
@@ -67,12 +67,22 @@ def test_auto_on_four_pipeline_ranks_chooses_one_layout_and_trains_as_one_proces
 
 
 def test_a_memory_limit_nothing_fits_under_is_refused_on_every_rank(tmp_path):
-    job = run_job({**AUTO, "memory_limit": 2**20, "strategy": "pipeline"}, tmp_path / "job", timeout=300)
+    # bf16-mixed with a training batch first (no sanity check): measured under autocast, as training runs
+    cfg = {**AUTO, "memory_limit": 2**20, "precision": "bf16-mixed", "sanity": 0, "strategy": "pipeline"}
+    job = run_job(cfg, tmp_path / "job", timeout=300, env={"LIGHTNING_PP_CACHE": str(tmp_path / "cache")})
     assert job.returncode != 0
-    assert job.output.count("memory_limit=1048576 (1 MiB per rank): no layout is predicted to fit") >= 2, job.output[
-        -3000:
-    ]
-    assert "the smallest predicted peak is" in job.output
+    said = "memory_limit=1048576 (1 MiB per rank): no layout is predicted to fit"
+    assert job.output.count(said) >= 2 and "the smallest predicted peak is" in job.output, job.output[-3000:]
+    model, batch = TinyGPT(n_layers=4), next(iter(loader(AUTO["n_train"], AUTO["batch"], seed=0)))
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("LIGHTNING_PP_CACHE", str(tmp_path / "cache"))
+        assert saved_costs(model, batch, "net.blocks") is None  # not a 32-true run's costs
+        with torch.autocast("cpu", torch.bfloat16):
+            saved = saved_costs(model, batch, "net.blocks")
+    assert saved is not None
+    full = profile_module(model, batch, "net.blocks", [AUTO["batch"]]).measured[0]
+    [mixed] = [s for s in saved.measured if s.size == AUTO["batch"]]
+    assert sum(mixed.saved_bytes[1:-1]) < 0.8 * sum(full.saved_bytes[1:-1]), (mixed.saved_bytes, full.saved_bytes)
 
 
 def test_a_rank_that_cannot_measure_the_model_stops_every_rank_with_its_error(tmp_path):

@@ -21,7 +21,7 @@ from lightning_pp.choose.machine import Machine
 from lightning_pp.choose.planner import Config, ModelCosts, configurations, plan, predict
 from lightning_pp.examples.gpt import GPT
 from lightning_pp.layout.schedule import check_microbatches, resolve_stages_per_rank
-from lightning_pp.plan.app import COLUMNS, entered_costs, plan_module
+from lightning_pp.plan.app import COLUMNS, _training_precision, entered_costs, plan_module
 from lightning_pp.plan.calibrate import fit_nonnegative
 from lightning_pp.split.partition import uniform_split
 from lightning_pp.split.profiling import _Clock, _last_level_cache_bytes
@@ -177,6 +177,18 @@ def test_the_planner_app_writes_a_ranked_plan_whose_rows_run(tmp_path):
     assert [(r["schedule"], r["n_microbatches"]) for r in ran] == [("1f1b", 2), ("1f1b", 16), ("interleaved_zb", 16)]
     machine = json.loads((tmp_path / "costs.json").read_text())["machine"]
     assert min(machine.values()) >= 0 and machine["step_overhead_s"] + machine["message_overhead_s"] > 0
+
+
+@pytest.mark.parametrize(
+    "trainer,autocast",
+    [("trainer.precision=bf16-mixed", torch.bfloat16), ("trainer=cpu_fp16", torch.float16), ("trainer=cpu", None)],
+)
+def test_the_planner_app_profiles_the_step_in_the_trainers_precision(tmp_path, trainer, autocast):
+    with initialize_config_module("lightning_pp.conf", version_base="1.3"):
+        cfg = compose("config", overrides=[trainer, f"trainer.default_root_dir={tmp_path}"])
+    with _training_precision(cfg.trainer).train_step_context():
+        assert torch.is_autocast_enabled("cpu") == (autocast is not None)
+        assert autocast is None or torch.get_autocast_dtype("cpu") == autocast
 
 
 def test_plan_module_plans_a_lightning_module_from_python():

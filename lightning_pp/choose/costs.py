@@ -133,13 +133,15 @@ _FORMAT = "operations counted"  # what changed last in Segments or in how they a
 
 def _signature(module: nn.Module, batch: Any, layers: str | None) -> str:
     """The model (its class, parameter names, shapes and dtypes), its layers and the batch's shapes and device
-    type (where the costs were measured: a GPU run's are not a CPU run's of the same model), and what the costs
-    hold (``_FORMAT``: costs cached before a field was measured are measured again, not read without it)."""
+    type (where the costs were measured: a GPU run's are not a CPU run's of the same model) with the device's
+    autocast (a bf16-mixed run's step is not a 32-true one's), and what the costs hold (``_FORMAT``: costs cached
+    before a field was measured are measured again, not read without it)."""
     parts = [_FORMAT, type(module).__qualname__, str(layers)]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
-    parts += [
-        f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)
-    ]
+    tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+    parts += [f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in tensors]
+    for kind in sorted({t.device.type for t in tensors}):
+        parts += [f"autocast:{kind}:{torch.get_autocast_dtype(kind)}"] if torch.is_autocast_enabled(kind) else []
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -26,6 +26,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.fabric.utilities.distributed import _suggested_max_num_threads
+from lightning.pytorch.plugins.precision import Precision
 from omegaconf import DictConfig
 
 from lightning_pp.choose.costs import profile_module, profiled_sizes
@@ -65,6 +66,13 @@ def plan_module(
     full = batch_size_of(batch)
     costs = profile_module(module, batch, layers, profiled_sizes(full))
     return plan(costs, machine or measure_machine(), devices, full, memory_limit_mib, **choices)
+
+
+def _training_precision(trainer: DictConfig) -> Precision:
+    """The precision plugin that ``trainer.precision`` (or its ``plugins``) gives the training runs: the profile
+    runs the step as they will (bf16-mixed under autocast, bf16-true on bf16 weights)."""
+    one = instantiate(trainer, devices=1, num_nodes=1, logger=False, enable_checkpointing=False)
+    return one.precision_plugin
 
 
 def entered_costs(cfg: DictConfig) -> tuple[ModelCosts, Machine]:
@@ -272,7 +280,10 @@ def run(cfg: DictConfig) -> Path:
         data.setup("fit")
         batch = next(iter(data.train_dataloader()))
         batch_size = batch_size_of(batch)
-        costs = profile_module(module, batch, cfg.strategy.layers, profiled_sizes(batch_size))
+        precision = _training_precision(cfg.trainer)
+        with precision.train_step_context():
+            module = precision.convert_module(module)
+            costs = profile_module(module, batch, cfg.strategy.layers, profiled_sizes(batch_size))
         # the machine and the calibration runs in one launch of the ranks
         runs = calibration_runs(costs, devices, batch_size) if settings.calibrate_steps else []
         jobs = [out / "calibrate" / str(i) for i in range(len(runs))]
