@@ -261,14 +261,16 @@ def test_a_step_that_asks_values_cannot_be_costed_without_data_and_says_what_to_
         counted_costs(built, batch, None, [1, 4], SPEED, torch.device("cpu"))
 
 
-def test_auto_costs_a_lora_model_built_on_meta_in_flops_and_trains_as_one_process(tmp_path, reference):
-    # peft's LoRA on a Llama, built on meta and read from a saved one, with the defaults but schedule="auto"
+def test_auto_measures_a_lora_model_built_on_meta_and_trains_as_one_process(tmp_path, reference):
+    # peft's LoRA on a Llama, built on meta and read from a saved one, with the defaults but schedule="auto": small
+    # enough to be materialised on the rank's device for the profile (counted, a layer's Python was missed: +236%
+    # against the step measured through the app), then back on meta for each rank's stage
     torch.manual_seed(123)
     HFLlama().model.save_pretrained(tmp_path / "llama")
     cfg = dict(AUTO, model="lora_llama", layers=None, split=None, build="init_module", optimizer="sgd", lr=0.5,
                pretrained=str(tmp_path / "llama"))  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
-    assert "FLOPs and operations counted on fake tensors" in job.output
+    assert "from the first batch's costs (the module materialised on cpu)" in job.output, job.output[-3000:]
     chosen = job.rank(0)["chosen"]
     assert job.rank(1)["chosen"] == chosen and job.rank(0)["meta_params"] == 0, chosen
     m = chosen["n_microbatches"]

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torchmetrics
-from models import InitGPT, ItemGPT, TinyGPT
+from models import InitGPT, ItemGPT, LoraLlama, TinyGPT
 from torch import nn
 
 from lightning_pp import PipelineConfigError, empty_weights, materialize
 from lightning_pp.examples.gpt import GPT
 from lightning_pp.layout.options import PipelineOptions
-from lightning_pp.memory.materialize import check_initializers, on_meta
+from lightning_pp.memory.materialize import check_initializers, materialized, on_meta
 from lightning_pp.split.planning import learn_placement
 from lightning_pp.split.profiling import count_flops
 from lightning_pp.split.stage import find_layers, prune_to_stages
@@ -133,3 +133,20 @@ def test_flops_on_meta_cost_each_layer_without_memory():
     assert len(set(costs.layers)) == 1 and costs.layers[0] > 0  # identical layers cost the same
     assert costs.last > 0  # norm and vocabulary head
     assert all(p.is_meta and p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("model", [InitGPT, LoraLlama])
+def test_a_model_materialised_for_a_while_goes_back_to_meta_as_it_was(model):
+    # schedule="auto" times a meta build that fits on the device with real weights, then each rank materialises its
+    # own stage from meta: the Parameters (which the optimizer holds), their attributes and the buffers stay
+    with empty_weights():
+        built = model(n_layers=2)
+    params = {n: (p, p.requires_grad, dict(p.__dict__)) for n, p in built.named_parameters()}
+    buffers = dict(built.named_buffers())
+    with materialized(built, torch.device("cpu")):
+        assert not any(p.is_meta for p in built.parameters())
+        seen = {n: p.detach().clone() for n, p in built.named_parameters()}
+    assert {n: (p, p.requires_grad, dict(p.__dict__)) for n, p in built.named_parameters()} == params
+    assert all(p.is_meta for p in built.parameters()) and dict(built.named_buffers()) == buffers
+    materialize(built)  # the weights it was timed with were the pipeline's own initial ones
+    assert all(torch.equal(p, seen[n]) for n, p in built.named_parameters())

@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
@@ -49,9 +49,10 @@ from lightning_pp.choose.machine import (
 from lightning_pp.choose.planner import Config, ModelCosts, Prediction, plan
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.mesh import Layout
-from lightning_pp.layout.options import Forecast, PipelineOptions, memory_limit_bytes
+from lightning_pp.layout.options import Forecast, InitFn, PipelineOptions, memory_limit_bytes
 from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
 from lightning_pp.memory.allocator import return_free_memory
+from lightning_pp.memory.materialize import materialized
 from lightning_pp.split.microbatch import batch_size_of
 
 log = logging.getLogger("lightning.pytorch.pipeline")
@@ -87,7 +88,7 @@ def chosen_options(
     if decided[1]:
         costs, source = known, "this model's costs measured before on this host"
     else:
-        costs, source = _measured_on_every_rank(module, batch, options.layers)
+        costs, source = _measured_on_every_rank(module, batch, options.layers, options.init_fn)
         return_free_memory(device)
         if device.type == "cuda":  # on a GPU after it, its cache emptied: the kernels and cuBLAS workspaces it
             base = base_bytes(device, held)  # loaded stay for training (198 MiB on an H100, torch 2.11)
@@ -111,12 +112,14 @@ def chosen_options(
     return replace(options, **outcome[0], planned=True)
 
 
-def _measured_on_every_rank(module: nn.Module, batch: Any, layers: str | None) -> tuple[ModelCosts, str]:
+def _measured_on_every_rank(
+    module: nn.Module, batch: Any, layers: str | None, init_fn: InitFn | None
+) -> tuple[ModelCosts, str]:
     """The model's costs measured by every rank at once, as ``balance="profile"`` does: each rank's profile then
     shares the memory bandwidth and caches with the others as training will, and their mean is less noisy. A rank
     that could not measure stops every rank with its error, after the one exchange all of them reach."""
     try:
-        mine: tuple[ModelCosts, str] | str = _model_costs(module, batch, layers)
+        mine: tuple[ModelCosts, str] | str = _model_costs(module, batch, layers, init_fn)
     except Exception as error:  # noqa: BLE001 (every rank stops with it, none waits for a choice)
         log.exception("Measuring the model for schedule='auto' failed")
         mine = f"{type(error).__name__}: {error}"
@@ -180,57 +183,60 @@ def _plan(
     return choice
 
 
-def _model_costs(module: nn.Module, batch: Any, layers: str | None) -> tuple[ModelCosts, str]:
+def _model_costs(module: nn.Module, batch: Any, layers: str | None, init_fn: InitFn | None) -> tuple[ModelCosts, str]:
     """The model's costs, and where they come from: its own step measured on a copy of the batch (the sanity
-    check's is made under inference mode) on the rank's device, or its FLOPs counted without data where there are no
-    weights to run (a meta build) or the weights are elsewhere and too large to bring (see ``_measured_here``)."""
+    check's is made under inference mode) on the rank's device, the module brought there for it (a meta build
+    materialised by the name rule, ``init_fn`` if given) when it fits easily; else its FLOPs and operations counted
+    without data (see ``_measured_here``)."""
     size, device = batch_size_of(batch), _device_of(batch)
     at, meta = next(module.parameters()).device, any(p.is_meta for p in module.parameters())
     held = sum(t.nbytes for t in [*module.parameters(), *module.buffers()])
-    if meta or not _measured_here(at, device, held, _free_bytes(device)):
-        speed = device_speed(device, next(module.parameters()).dtype)
-        costs = counted_costs(module, batch, layers, profiled_sizes(size), speed, device)
-        why = "" if meta else f" (the module is on the {at.type}, too large to measure on {device})"
-        return costs, (
-            f"the first batch's FLOPs and operations counted on fake tensors{why} at {speed.flops_per_s / 1e9:.0f}"
-            f" GFLOP/s and {speed.seconds_per_op * 1e6:.1f} us an operation"
-        )
-    gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
-    # moved outside inference mode (the sanity check's), or the weights would come back as inference tensors
-    with (
-        torch.random.fork_rng(devices=gpus),
-        torch.inference_mode(False),
-        torch.enable_grad(),
-        _moved(module, at, device),
-    ):
-        copy = tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, batch)
-        costs = profile_module(module, copy, layers, profiled_sizes(size))
-    return costs, "the first batch's costs" + ("" if at == device else f" (the module moved to {device} for it)")
+    unmade = f" (the module is on the {at.type}, too large to measure on {device})"
+    if _measured_here(at, device, held, _free_bytes(device)):
+        gpus = range(torch.cuda.device_count()) if torch.cuda.is_initialized() else []
+        # brought outside inference mode (the sanity check's), or the weights would come back as inference tensors
+        with (
+            torch.random.fork_rng(devices=gpus),
+            torch.inference_mode(False),
+            torch.enable_grad(),
+            contextlib.ExitStack() as placed,
+        ):
+            try:
+                placed.enter_context(materialized(module, device, init_fn))
+            except PipelineConfigError as error:  # an initialiser missing, which a pretrained checkpoint stands for
+                unmade = f" ({type(module).__name__} could not be materialised for a profile: {error})"
+            else:
+                copy = tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, batch)
+                costs = profile_module(module, copy, layers, profiled_sizes(size))
+                brought = "" if at == device else f" (the module {'materialised' if meta else 'moved'} on {device})"
+                return costs, f"the first batch's costs{brought}"
+    speed = device_speed(device, next(module.parameters()).dtype)
+    costs = counted_costs(module, batch, layers, profiled_sizes(size), speed, device)
+    return costs, (
+        f"the first batch's FLOPs and operations counted on fake tensors{unmade} at {speed.flops_per_s / 1e9:.0f}"
+        f" GFLOP/s and {speed.seconds_per_op * 1e6:.1f} us an operation"
+    )
 
 
 def _measured_here(at: torch.device, device: torch.device, nbytes: int, free: int) -> bool:
-    """Time the model on the rank's ``device``, where it will train: a module built on the CPU for a GPU run moves
-    there for the profile when six times its ``nbytes`` (weights, gradients, Adam's two states and the step's
-    activations, a guess) fit in half the ``free`` bytes. Timed on the CPU instead, a model's costs would be the
-    CPU's (and take it minutes); one too large is costed by its FLOPs."""
+    """Time the model on the rank's ``device``, where it will train: a module built elsewhere (on the CPU for a GPU
+    run, or on meta) is brought there for the profile when six times its ``nbytes`` (weights, gradients, Adam's two
+    states and the step's activations, a guess) fit in half the ``free`` bytes. Timed on the CPU instead, a model's
+    costs would be the CPU's (and take it minutes); one too large is costed by its FLOPs and operations."""
     return at == device or 12 * nbytes <= free
 
 
 def _free_bytes(device: torch.device) -> int:
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else 0
-
-
-@contextlib.contextmanager
-def _moved(module: nn.Module, at: torch.device, device: torch.device) -> Iterator[None]:
-    """``module`` on ``device`` for the block, then back ``at`` where it was (its Parameter objects kept)."""
-    if at == device:
-        yield
-        return
-    module.to(device)
+    """What a rank may take of ``device``'s free memory; on a CPU, an equal share of the host's, every rank
+    measuring at once."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
-        yield
-    finally:
-        module.to(at)
+        with open("/proc/meminfo") as info:
+            kib = next(int(line.split()[1]) for line in info if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 0  # not Linux: counted
+    return kib * 1024 // dist.get_world_size()
 
 
 def _choices(options: PipelineOptions, layout: Layout, size: int) -> dict[str, Any]:

@@ -178,6 +178,25 @@ def materialize(
     return module
 
 
+@contextlib.contextmanager
+def materialized(module: nn.Module, device: torch.device, init_fn: InitFn | None = None) -> Iterator[None]:
+    """``module`` on ``device`` for the block, as ``materialize`` makes it (its meta tensors initialised by the name
+    rule or ``init_fn``), then every tensor back where it was, meta ones on meta again, with its attributes: a model
+    built on meta that fits on the device can be timed there, as it will train, and still be materialised stage by
+    stage."""
+    elsewhere = [(p, p.data, dict(p.__dict__)) for p in module.parameters() if p.device != device]
+    buffers = [(m._buffers, name, b) for m in module.modules() for name, b in m._buffers.items() if b is not None]
+    try:
+        materialize(module, device, init_fn=init_fn)
+        yield
+    finally:
+        for p, data, attributes in elsewhere:
+            torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+            p.__dict__.update(attributes)
+        for slots, name, b in buffers:
+            slots[name] = b
+
+
 def _allocate(module: nn.Module, device: torch.device) -> None:
     """Meta tensors allocated on ``device``, others moved there; each Parameter object keeps its identity (its
     contents are swapped), so ties and optimizers built earlier stay valid. Tensors already on ``device``
