@@ -4,9 +4,11 @@ keeps the choice under it or refuses on every rank."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -171,6 +173,40 @@ def test_a_models_measured_costs_are_kept_per_model_and_batch_shape(tmp_path, mo
         saved_costs(model, longer, "net.blocks") is None
         and saved_costs(TinyGPT(n_layers=3), batch, "net.blocks") is None
     )
+    # the user's file edited between runs (the same parameters, another step): measured again
+    source = tmp_path / "user_model.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    edited = []
+    for loss in ("h.square().mean()", "h.abs().mean()"):
+        source.write_text(_USER_MODEL.format(loss=loss))
+        sys.modules.pop("user_model", None)
+        user = importlib.import_module("user_model").Model()
+        x = torch.ones(4, 8)
+        edited.append(saved_costs(user, x, "layers"))
+        save_costs(profile_module(user, x, "layers", [4]), user, x, "layers")
+    assert edited == [None, None] and saved_costs(user, x, "layers") is not None
+
+
+_USER_MODEL = """
+import lightning as L
+import torch
+from torch import nn
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def training_step(self, x, i):
+        h = x
+        for layer in self.layers:
+            h = layer(h)
+        return {loss}
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+"""
 
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "opt"])

@@ -8,9 +8,11 @@ import functools
 import hashlib
 import json
 import statistics
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -128,21 +130,37 @@ def _first_optimizer(configured: Any) -> torch.optim.Optimizer:
     raise TypeError(f"configure_optimizers returned {configured!r}: the planner needs an optimizer to cost.")
 
 
+_LIBRARIES = ("torch", "lightning", "builtins", "abc", "typing")
 _FORMAT = "operations counted"  # what changed last in Segments or in how they are counted
 
 
 def _signature(module: nn.Module, batch: Any, layers: str | None) -> str:
-    """The model (its class, parameter names, shapes and dtypes), its layers and the batch's shapes and device
+    """The model (its classes' code, parameter names, shapes and dtypes: a step or a layer edited between two runs
+    is measured again), torch's and Lightning's releases, its layers and the batch's shapes and device
     type (where the costs were measured: a GPU run's are not a CPU run's of the same model) with the device's
     autocast (a bf16-mixed run's step is not a 32-true one's), and what the costs hold (``_FORMAT``: costs cached
     before a field was measured are measured again, not read without it)."""
-    parts = [_FORMAT, type(module).__qualname__, str(layers)]
+    parts = [_FORMAT, torch.__version__, L.__version__, type(module).__qualname__, str(layers), *_code(module)]
     parts += [f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in module.named_parameters()]
     tensors = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
     parts += [f"{tuple(t.shape)}:{t.dtype}:{t.device.type}" for t in tensors]
     for kind in sorted({t.device.type for t in tensors}):
         parts += [f"autocast:{kind}:{torch.get_autocast_dtype(kind)}"] if torch.is_autocast_enabled(kind) else []
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def _code(module: nn.Module) -> list[str]:
+    """A digest of each source file that defines a class of ``module``'s modules or their bases, but torch's and
+    Lightning's (their releases decide theirs): a file edited anywhere is measured again, a step or layer with it."""
+    classes = {c for m in module.modules() for c in type(m).__mro__ if c.__module__.split(".")[0] not in _LIBRARIES}
+    files = {getattr(sys.modules.get(c.__module__), "__file__", None) or c.__module__ for c in classes}
+    digests = []
+    for name in sorted(files):
+        try:
+            digests.append(f"{name}:{hashlib.sha256(Path(name).read_bytes()).hexdigest()[:16]}")
+        except OSError:
+            digests.append(name)  # no file (a notebook's cell): its name
+    return digests
 
 
 def saved_costs(module: nn.Module, batch: Any, layers: str | None) -> ModelCosts | None:
