@@ -1,5 +1,5 @@
 """One rank of a Hugging Face model from a config (no download) trained through ``split="trace"`` on 2 stages
-(1F1B, AdamW, built on meta); rank 0 writes its step end times.
+(1F1B, AdamW, built on meta: `run_moe`'s module and batch); rank 0 writes its step end times.
 
     torchrun --nproc_per_node 2 run_traced.py CONFIG_JSON STEPS OUT
 """
@@ -9,28 +9,11 @@ from __future__ import annotations
 import json
 import sys
 
-import lightning as L
 import torch
 from common import pipeline_trainer
 from run_lora import Record
+from run_moe import BATCH, LM, SEQ, M
 from torch.utils.data import DataLoader
-
-BATCH, SEQ, M = 8, 64, 4
-
-
-class LM(L.LightningModule):
-    def __init__(self, config) -> None:
-        super().__init__()
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_config(config)
-
-    def training_step(self, batch, batch_idx):
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
 
 if __name__ == "__main__":
     from transformers import AutoConfig
