@@ -419,6 +419,8 @@ def _adopt(piece: nn.Module, view: nn.Module, prefix: str, device: torch.device,
                     continue
                 node.args = map_aggregate(node.args, lambda v: _device(v, device))
                 node.kwargs = map_aggregate(node.kwargs, lambda v: _device(v, device))
+                if node.name == "self" and node.op != "placeholder":  # a call of a submodule named so (BERT's
+                    node._rename("self_")  # attention.self): as a variable of the code it would shadow the module
                 if node.target is torch.ops.aten.histc.default and device.type in _NO_INTEGER_HISTC:
                     _count_in_float(graph, node)
                 elif node.target is EXPERTS_OP:
