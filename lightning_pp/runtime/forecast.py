@@ -96,9 +96,11 @@ def _peak_bytes(device: torch.device) -> int:
     return status_bytes("VmHWM:")
 
 
-def status_bytes(key: str) -> int:
-    """A ``/proc/self/status`` field in bytes (``VmRSS:``, ``VmHWM:``); 0 where there is none (not Linux)."""
+def status_bytes(key: str, path: str = "/proc/self/status") -> int:
+    """A field in kB of ``/proc/self/status`` (``VmRSS:``, ``VmHWM:``) or ``/proc/meminfo`` (``MemAvailable:``) in
+    bytes; 0 where there is none (not Linux)."""
     try:
-        return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1]) * 1024
+        with open(path) as fields:
+            return int(next(line for line in fields if line.startswith(key)).split()[1]) * 1024
     except (OSError, StopIteration):
         return 0
