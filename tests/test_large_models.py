@@ -47,7 +47,7 @@ def test_each_rank_holds_only_its_stage_in_memory(tmp_path):
     # and gloo, one layer's gradient while micro-batches accumulate, and the micro-batches' activations in flight.
     cfg = dict(model="init", build="init_module", dim=1024, n_layers=24, optimizer="plain_sgd", batch=8, n_train=16,
                n_val=8, sanity=0, max_steps=2, strategy="pipeline", devices=4, m=4, page_in=True)  # fmt: skip
-    job = ok(run_job(cfg, tmp_path / "job", launcher=True))
+    job = ok(run_job(cfg, tmp_path / "job"))
     whole = job.rank(0)["whole_bytes"]
     assert whole > 380 * MiB
     for r in range(4):
