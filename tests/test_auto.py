@@ -306,7 +306,7 @@ def test_auto_measures_a_lora_model_built_on_meta_and_trains_as_one_process(tmp_
     cfg = dict(AUTO, model="lora_llama", layers=None, split=None, build="init_module", optimizer="sgd", lr=0.5,
                pretrained=str(tmp_path / "llama"))  # fmt: skip
     job = ok(run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=300))
-    assert "from the first batch's costs (the module materialised on cpu)" in job.output, job.output[-3000:]
+    assert "from the first batch's costs on the module materialised on cpu" in job.output, job.output[-3000:]
     chosen = job.rank(0)["chosen"]
     assert job.rank(1)["chosen"] == chosen and job.rank(0)["meta_params"] == 0, chosen
     m = chosen["n_microbatches"]

@@ -209,7 +209,7 @@ def _model_costs(module: nn.Module, batch: Any, layers: str | None, init_fn: Ini
             else:
                 copy = tree_map(lambda t: t.to(device, copy=True) if isinstance(t, torch.Tensor) else t, batch)
                 costs = profile_module(module, copy, layers, profiled_sizes(size))
-                brought = "" if at == device else f" (the module {'materialised' if meta else 'moved'} on {device})"
+                brought = "" if at == device else f" on the module {'materialised on' if meta else 'moved to'} {device}"
                 return costs, f"the first batch's costs{brought}"
     speed = device_speed(device, next(module.parameters()).dtype)
     costs = counted_costs(module, batch, layers, profiled_sizes(size), speed, device)
