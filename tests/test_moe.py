@@ -61,6 +61,7 @@ def test_router_loss_is_per_microbatch_and_its_statistics_reach_every_rank(model
         means = [sum(per_micro[i : i + 2]) / 2 for i in range(0, len(per_micro), 2)]
         _close(_losses(job.rank(0)["train"], key), means)
         assert _losses(job.rank(1)["train"], key) == _losses(job.rank(0)["train"], key)  # every rank saw them
+    assert job.output.count("its load-balancing loss is computed per micro-batch, so the pipeline trains") == 1
     whole = _losses(reference(**common(cfg))["logged"])  # the loss of whole batches differs: not additive
     assert max(abs(a - b) for a, b in zip(_losses(job.rank(0)["logged"]), whole)) > LOSS_TOL
 

@@ -120,6 +120,7 @@ class Tracer:
         with on_meta(module), patched(module, _trainer=None) if not entry else contextlib.nullcontext():
             self.skeleton = copy.deepcopy(model)
         _without_cache(self.skeleton)
+        _say_router_loss(self.skeleton)
         traceable_adapters(self.skeleton, opaque_adapted_experts(self.skeleton, self._prefix))
         self._traces: dict[tuple, _Trace] = {}
 
@@ -276,6 +277,18 @@ def _without_cache(skeleton: nn.Module) -> None:
         _say_once(
             f"{type(skeleton).__name__} has config.use_cache=True; the pipeline's traced copy runs with"
             " use_cache=False (a key/value cache is not used in training). Your model's config is unchanged."
+        )
+
+
+def _say_router_loss(skeleton: nn.Module) -> None:
+    """A load-balancing loss is a product of per-expert means over the tokens it sees, which does not add up over
+    micro-batches: a user comparing against one process on whole batches would otherwise find other losses."""
+    if any(getattr(getattr(m, "config", None), "output_router_logits", False) is True for m in skeleton.modules()):
+        _say_once(
+            f"{type(skeleton).__name__} has config.output_router_logits=True: its load-balancing loss is computed"
+            " per micro-batch, so the pipeline trains as one process fed the micro-batches and stepping every"
+            " n_microbatches of them (accumulate_grad_batches) does, not as one on whole batches (the language-model"
+            " loss alone equals the whole batch's)."
         )
 
 
