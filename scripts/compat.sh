@@ -13,6 +13,6 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 grep -v '^torch==' constraints.txt > "$venv/constraints.txt"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$venv/constraints.txt" \
-    "torch==$version" -e ".[test,examples,slurm]"
+    "torch==$version" -e ".[test,examples,slurm,cli]"
 "$venv/bin/python" -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(v != '$version' and f'torch {v} installed, not $version')"
 exec "$venv/bin/python" -m pytest -q "$@"

@@ -29,6 +29,7 @@ from lightning_pp.layout.schedule import (
 Balance = Union[None, str, Sequence[int]]
 BALANCE_MODES = ("uniform", "parameters", "profile", "auto")
 AUTO = "auto"
+Auto = Literal["auto"]  # in the signatures, so LightningCLI (jsonargparse) takes n_microbatches=auto
 # the arguments "auto" leaves to the first batch, and what stands in for them until then
 _CHOSEN = ("schedule", "n_microbatches", "balance", "stages_per_rank", "activation_checkpointing")
 MemoryLimit = Union[None, int, float, str]  # bytes, or "80%" of the device's memory
@@ -60,12 +61,12 @@ class PipelineOptions:
     stages each rank holds, the timeout as a ``timedelta`` (README's table says what each argument means)."""
 
     schedule: str = "1f1b"
-    n_microbatches: Optional[int] = None
+    n_microbatches: Union[int, Auto, None] = None
     pipeline_parallel_size: Optional[int] = None
     layers: Optional[str] = None
     balance: Balance = None
-    stages_per_rank: Optional[int] = None
-    activation_checkpointing: bool = False
+    stages_per_rank: Union[int, Auto, None] = None
+    activation_checkpointing: Union[bool, Auto] = False
     state_dict_type: StateDictType = "full"
     split: Optional[Split] = None
     data_parallel: DataParallel = "ddp"
