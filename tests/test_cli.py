@@ -36,6 +36,14 @@ trainer:
 """
 
 
+def _parsed(args: list[str]) -> PipelineStrategy:
+    """The Trainer's strategy as LightningCLI builds it, in this process: no fit, and no seed (which would set
+    ``PL_GLOBAL_SEED`` for the one-process references that later tests run here)."""
+    cli = LightningCLI(GPT, ProgressionsData, run=False, args=args, seed_everything_default=False)
+    assert isinstance(cli.trainer.strategy, PipelineStrategy)
+    return cli.trainer.strategy
+
+
 def test_every_strategy_argument_reaches_the_strategy_from_the_command_line():
     args = ["--trainer.accelerator=cpu", "--trainer.devices=2", "--trainer.strategy=lightning_pp.PipelineStrategy",
             "--trainer.strategy.schedule=interleaved_1f1b", "--trainer.strategy.n_microbatches=auto",
@@ -43,15 +51,12 @@ def test_every_strategy_argument_reaches_the_strategy_from_the_command_line():
             "--trainer.strategy.activation_checkpointing=auto", "--trainer.strategy.memory_limit=80%",
             "--trainer.strategy.timeout=120", "--trainer.strategy.compile={mode: max-autotune-no-cudagraphs}",
             "--trainer.strategy.state_dict_type=sharded"]  # fmt: skip
-    strategy = LightningCLI(GPT, ProgressionsData, run=False, args=args).trainer.strategy
-    assert isinstance(strategy, PipelineStrategy)
-    o = strategy.options
+    o = _parsed(args).options
     assert (o.schedule, o.stages_per_rank, list(o.balance), o.memory_limit) == ("interleaved_1f1b", 2, [1] * 4, "80%")
     assert o.auto == {"n_microbatches", "activation_checkpointing"}
     assert o.timeout == timedelta(seconds=120) and o.compile == {"mode": "max-autotune-no-cudagraphs"}
     assert o.state_dict_type == "sharded"
-    registered = LightningCLI(GPT, ProgressionsData, run=False, args=["--trainer.strategy=pipeline"]).trainer.strategy
-    assert isinstance(registered, PipelineStrategy) and registered.options.schedule == "1f1b"
+    assert _parsed(["--trainer.strategy=pipeline"]).options.schedule == "1f1b"  # the registered name
 
 
 def _losses(path: Path) -> list[float]:
