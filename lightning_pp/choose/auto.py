@@ -53,7 +53,7 @@ from lightning_pp.layout.options import Forecast, InitFn, PipelineOptions, memor
 from lightning_pp.layout.schedule import ASYNC, SCHEDULES, default_microbatches
 from lightning_pp.memory.allocator import return_free_memory
 from lightning_pp.memory.materialize import materialized
-from lightning_pp.runtime.forecast import status_bytes
+from lightning_pp.runtime.forecast import proc_bytes
 from lightning_pp.split.microbatch import batch_size_of
 
 log = logging.getLogger("lightning.pytorch.pipeline")
@@ -232,7 +232,7 @@ def _free_bytes(device: torch.device) -> int:
     measuring at once."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
-    return status_bytes("MemAvailable:", "/proc/meminfo") // dist.get_world_size()  # 0 where not Linux: counted
+    return proc_bytes("MemAvailable:", "/proc/meminfo") // dist.get_world_size()  # 0 where not Linux: counted
 
 
 def _choices(options: PipelineOptions, layout: Layout, size: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.runtime.forecast import status_bytes
+from lightning_pp.runtime.forecast import proc_bytes
 from lightning_pp.split.profiling import DeviceSpeed, counted_work
 
 _SIZES = (1 << 10, 1 << 22)  # bytes of the two ping-pong messages
@@ -53,7 +53,7 @@ def base_bytes(device: torch.device, held: int = 0) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return max(total - free - held, 0)
-    return max(status_bytes("VmRSS:") - held, 0)
+    return max(proc_bytes("VmRSS:") - held, 0)
 
 
 def ping_pong(

@@ -93,10 +93,10 @@ def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return total - free - torch.cuda.memory_reserved(device) + torch.cuda.max_memory_reserved(device)
-    return status_bytes("VmHWM:")
+    return proc_bytes("VmHWM:")
 
 
-def status_bytes(key: str, path: str = "/proc/self/status") -> int:
+def proc_bytes(key: str, path: str = "/proc/self/status") -> int:
     """A field in kB of ``/proc/self/status`` (``VmRSS:``, ``VmHWM:``) or ``/proc/meminfo`` (``MemAvailable:``) in
     bytes; 0 where there is none (not Linux)."""
     try:

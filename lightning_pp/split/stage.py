@@ -568,11 +568,11 @@ def patched(obj: Any, **attrs: Any) -> Iterator[None]:
                 setattr(obj, name, value)
 
 
-def kv_cache_configs(module: nn.Module) -> list[Any]:
-    """The Hugging Face configs in ``module`` that ask for a key/value cache (``use_cache=True``, most configs'
-    default), each once."""
+def configs_with(module: nn.Module, flag: str) -> list[Any]:
+    """The Hugging Face configs in ``module`` whose ``flag`` is True (``use_cache``, most configs' default: a
+    key/value cache; ``output_router_logits``), each once."""
     configs = (getattr(m, "config", None) for m in module.modules())
-    return list({id(c): c for c in configs if getattr(c, "use_cache", False) is True}.values())
+    return list({id(c): c for c in configs if getattr(c, flag, False) is True}.values())
 
 
 @contextlib.contextmanager
@@ -581,7 +581,7 @@ def without_kv_cache(module: nn.Module) -> Iterator[None]:
     ``use_cache=False``): an eager Hugging Face forward in training builds the cache otherwise, whose concatenations
     cost time the pipeline does not spend and join torch's split-backward groups (its weight pass then reran freed
     nodes)."""
-    configs = kv_cache_configs(module)
+    configs = configs_with(module, "use_cache")
     for config in configs:
         config.use_cache = False
     try:

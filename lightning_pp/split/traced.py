@@ -48,11 +48,11 @@ from lightning_pp.split.profiling import describe_costs, flops_of
 from lightning_pp.split.pruned import StageModule, StageModules, sendable
 from lightning_pp.split.stage import (
     Placement,
+    configs_with,
     find_layers,
     find_ties,
     get_path,
     is_compiled,
-    kv_cache_configs,
     parts_and_params,
     patched,
 )
@@ -270,7 +270,7 @@ def _without_cache(skeleton: nn.Module) -> None:
     """A Hugging Face config's ``use_cache=True`` (most configs' default) would make the traced graph return a
     cache object: the traced copy runs without it, as HF itself does under gradient checkpointing. The user's
     model keeps its config."""
-    cached = kv_cache_configs(skeleton)
+    cached = configs_with(skeleton, "use_cache")
     for config in cached:
         config.use_cache = False
     if cached:
@@ -283,7 +283,7 @@ def _without_cache(skeleton: nn.Module) -> None:
 def _say_router_loss(skeleton: nn.Module) -> None:
     """A load-balancing loss is a product of per-expert means over the tokens it sees, which does not add up over
     micro-batches: a user comparing against one process on whole batches would otherwise find other losses."""
-    if any(getattr(getattr(m, "config", None), "output_router_logits", False) is True for m in skeleton.modules()):
+    if configs_with(skeleton, "output_router_logits"):
         _say_once(
             f"{type(skeleton).__name__} has config.output_router_logits=True: its load-balancing loss is computed"
             " per micro-batch, so the pipeline trains as one process fed the micro-batches and stepping every"
