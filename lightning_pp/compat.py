@@ -1,27 +1,30 @@
-"""What differs between the torch releases lightning-pp supports (2.13 to 2.15), one named shim each.
+"""What differs between the torch releases lightning-pp supports (2.11 to 2.15), one named shim each.
 
 Everything else the package uses of ``torch.distributed.pipelining``, FSDP2 and DCP reads the same in
-all three (their private names included); a difference found goes here with the test that catches it.
+all five (their private names included); a difference found goes here with the release it covers and the
+test that catches it.
 """
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any
 
 import torch
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-OLDEST = (2, 13)
+OLDEST = (2, 11)
 
 
 def _refuse_an_older_torch(version: str) -> None:
-    """Below 2.13 the pipelining runtime lacks private hooks this package wraps (``PipelineStage``'s
-    ``_post_metadata_inference_cleanup``, seen missing in 2.11): refused at import, not deep in the first step."""
+    """Below 2.11 the pipelining runtime lacks what this package builds on (2.11's is the oldest whose schedules,
+    stages and split backward it is tested with): refused at import, not deep in the first step."""
     found = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups())
     if found < OLDEST:
         raise ImportError(
-            f"lightning-pp needs torch >= {OLDEST[0]}.{OLDEST[1]} (it supports 2.13 to 2.15); this environment has"
-            f" torch {version}. Install a supported release, e.g. pip install 'torch>=2.13,<2.16' (with the CUDA"
+            f"lightning-pp needs torch >= {OLDEST[0]}.{OLDEST[1]} (it supports 2.11 to 2.15); this environment has"
+            f" torch {version}. Install a supported release, e.g. pip install 'torch>=2.11,<2.16' (with the CUDA"
             " build your machine needs)."
         )
 
@@ -40,25 +43,190 @@ def with_send_waits(order_with_comms: dict[int, list[Any]]) -> dict[int, list[An
     return order_with_comms if _add_wait_send is None else _add_wait_send(order_with_comms)
 
 
+def inference_inputs_left_uninitialised(stage: Any) -> bool:
+    """Whether torch makes a later stage's shape-inference inputs with ``torch.empty`` (``PipelineStage._to_tensor``,
+    torch >= 2.12): those need zeroing. torch 2.11's ``_shape_inference`` makes them with ``zeros_like`` itself."""
+    return hasattr(stage, "_to_tensor")
+
+
 def buffers_kept_through_metadata_inference(stage: Any) -> Any:
     """``stage`` (a ``PipelineStage``) whose first-step metadata inference leaves the module's buffers as they were.
 
-    The inference runs real forwards; torch 2.14 backs the buffers up and restores them afterwards, torch 2.13 left
-    its updates in (BatchNorm's running statistics moved once more for every new batch signature)."""
+    The inference runs real forwards; torch 2.14 backs the buffers up and restores them afterwards, torch 2.11 to
+    2.13 left their updates in (BatchNorm's running statistics moved once more for every new batch signature)."""
     if hasattr(stage, "_pre_metadata_inference_backup"):  # torch >= 2.14 does it itself
         return stage
-    prepare, cleanup = stage._prepare_forward_infra, stage._post_metadata_inference_cleanup
     saved: list[tuple[Any, Any]] = []
 
-    def prepare_keeping(*args: Any, **kwargs: Any) -> Any:
+    def keep() -> None:
         saved[:] = [(b, b.detach().clone()) for b in stage.submod.buffers()]
-        return prepare(*args, **kwargs)
 
-    def cleanup_restoring() -> None:
-        cleanup()
+    def restore() -> None:
         for buffer, copy in saved:
             buffer.detach().copy_(copy)
         saved.clear()
 
+    if not hasattr(stage, "_post_metadata_inference_cleanup"):  # torch 2.11: one forward, in _shape_inference
+        infer = stage._shape_inference
+
+        def infer_keeping(*args: Any, **kwargs: Any) -> Any:
+            keep()
+            try:
+                return infer(*args, **kwargs)
+            finally:
+                restore()
+
+        stage._shape_inference = infer_keeping
+        return stage
+    prepare, cleanup = stage._prepare_forward_infra, stage._post_metadata_inference_cleanup
+
+    def prepare_keeping(*args: Any, **kwargs: Any) -> Any:
+        keep()
+        return prepare(*args, **kwargs)
+
+    def cleanup_restoring() -> None:
+        cleanup()
+        restore()
+
     stage._prepare_forward_infra, stage._post_metadata_inference_cleanup = prepare_keeping, cleanup_restoring
     return stage
+
+
+def warm_up_without_self_sends(stage: Any) -> Any:
+    """``stage`` whose first-step warm-up of its neighbours' links skips neighbours on its own rank.
+
+    torch 2.11 warms up every neighbouring stage by a send and a receive, its own rank's included (V schedules'
+    middle stages, every stage of a loop schedule on one rank), which gloo refuses ("Pair is not connected"); the
+    runtime hands those stages' tensors over directly, so the links are never used. torch >= 2.12 warms up by a vote
+    that leaves them out."""
+    if hasattr(stage, "_warmup_forward_vote"):
+        return stage
+    ops = stage._get_init_p2p_neighbors_ops
+
+    def ops_to_others() -> list[Any]:
+        return [op for op in ops() if op.group_peer != stage.group_rank]
+
+    stage._get_init_p2p_neighbors_ops = ops_to_others
+    return stage
+
+
+_INITIALIZED_WITH_TARGET = "target" in inspect.signature(PipelineScheduleSingle._initialize_stage).parameters
+
+
+def initialize_stage(schedule: Any, args: tuple, kwargs: dict[str, Any], target: Any) -> None:
+    """A single-stage schedule's first-step set-up, run by a schedule of our own (2BW) that steps without ``step()``:
+    torch >= 2.12 infers the backward's metadata from the first micro-batch's target too, torch 2.11 from its
+    inputs alone (``_initialize_stage(args, kwargs)``)."""
+    if _INITIALIZED_WITH_TARGET:
+        schedule._initialize_stage(args, kwargs, target)
+    else:
+        schedule._initialize_stage(args, kwargs)
+
+
+def _floating(tensor: Any) -> bool:
+    return isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex())
+
+
+def non_floating_tensors_handed_on(stage: Any) -> Any:
+    """``stage`` able to receive integer and boolean tensors (a traced model's position ids, masks) from the stage
+    before it, and to send them on.
+
+    torch 2.11 makes every tensor a stage receives require gradients ("only Tensors of floating point dtype can
+    require gradients") and expects a gradient back for each, by send or, on the same rank, by hand-over; torch >= 2.12
+    leaves non-floating ones out of the backward. Here, as there: such a tensor is received as it is, and no gradient
+    travels back for it (the stage before receives none, the stage after sends none; the split backward's input
+    gradients kept in their inputs' places)."""
+    from torch.distributed.pipelining import stage as torch_stage
+
+    if not hasattr(torch_stage, "_RootArgPlaceholder"):  # torch >= 2.12
+        return stage
+    prepare, send_info, recv_ops = stage._prepare_forward_infra, stage._create_grad_send_info, stage._get_recv_ops
+    backward = stage.backward_maybe_with_nosync
+
+    def prepare_marking_floating(num_microbatches: int, args: Any, kwargs: Any = None) -> Any:
+        backward = stage.has_backward
+        stage.has_backward = False  # torch 2.11 would mark every receive buffer
+        try:
+            outputs = prepare(num_microbatches, args, kwargs)
+        finally:
+            stage.has_backward = backward
+        for infos in stage.args_recv_info.values() if backward else ():
+            for info in infos:
+                if isinstance(info, torch_stage._RecvInfo) and _floating(info.buffer):
+                    info.buffer.requires_grad_(True)
+        return outputs
+
+    def send_info_floating(args_recv_info: tuple) -> list[Any]:
+        destinations = send_info(args_recv_info)
+        return [
+            dst if not isinstance(info, torch_stage._RecvInfo) or _floating(info.buffer) else None
+            for info, dst in zip(args_recv_info, destinations)
+        ]
+
+    def recv_ops_floating(recv_infos: tuple) -> list[Any]:
+        gradients_of_non_floating = [
+            info
+            for info in recv_infos
+            if isinstance(info, torch_stage._RecvInfo)
+            and info.input_name.startswith("recv_grad_for_")
+            and not _floating(info.buffer)
+        ]
+        return recv_ops(tuple(info for info in recv_infos if info not in gradients_of_non_floating))
+
+    def set_forward_input(prev_stage_outputs: Any, mb_index: int) -> None:
+        outputs = torch_stage._normalize_model_output_as_tuple(prev_stage_outputs)
+        for info, tensor in zip(stage.args_recv_info[mb_index], outputs):
+            info.buffer = tensor.detach().requires_grad_(True) if _floating(tensor) else tensor.detach()
+
+    def set_backward_input_floating(next_stage_bwd_outputs: tuple, mb_index: int) -> None:
+        infos = stage.grad_recv_info[mb_index]
+        kept = [(info, g) for info, g in zip(infos, next_stage_bwd_outputs) if g is not None or _floating(info.buffer)]
+        for info, grad in kept:  # a floating input's missing gradient is refused, as torch refuses it
+            if not isinstance(grad, torch.Tensor):
+                raise AssertionError(f"expected tensor values as outputs from prev stage, got {type(grad)}")
+            info.buffer = grad
+
+    def backward_in_place(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        """torch 2.11's input pass differentiates every output (refused for one that needs no gradient: "element 0
+        of tensors does not require grad") and returns the gradients of the inputs that need them in a row, where
+        the sends expect one per input. Here it differentiates the outputs that need gradients, as the full
+        backward does, and its gradients are put back in their inputs' places (None for the others)."""
+        if backward_type == "input" and bwd_kwargs["output_grads"] is not None:
+            outputs, output_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
+            kept = [(o, g) for o, g in zip(outputs, output_grads) if o.requires_grad or o.grad_fn is not None]
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"] = tuple(o for o, _ in kept), [g for _, g in kept]
+        grads, rest = backward(backward_type, bwd_kwargs, last_backward)
+        if backward_type == "input":
+            needing = iter(grads)
+            grads = tuple(next(needing) if t.requires_grad else None for t in bwd_kwargs["input_values"])
+        return grads, rest
+
+    stage._prepare_forward_infra, stage._create_grad_send_info = prepare_marking_floating, send_info_floating
+    stage.backward_maybe_with_nosync = backward_in_place
+    stage._get_recv_ops, stage.set_local_fwd_input = recv_ops_floating, set_forward_input
+    stage.set_local_bwd_input = set_backward_input_floating
+    return stage
+
+
+def shape_inference_uncompiled(stage: Any) -> Any:
+    """``stage`` whose first-step shape inference runs its compiled layers eagerly.
+
+    torch 2.11 infers shapes by a forward under ``no_grad``: compiled layers (``compile=True``) compiled a graph for
+    it, a second one per batch signature that training never runs (torch >= 2.12 infers under the training step's
+    own grad mode). The shapes are the same eagerly."""
+    if not hasattr(stage, "_shape_inference"):  # torch >= 2.12
+        return stage
+    infer = stage._shape_inference
+
+    def infer_eagerly(*args: Any, **kwargs: Any) -> Any:
+        with torch.compiler.set_stance("force_eager"):
+            return infer(*args, **kwargs)
+
+    stage._shape_inference = infer_eagerly
+    return stage
+
+
+def release_differences(stage: Any) -> Any:
+    """``stage`` (a ``PipelineStage``) behaving alike on every supported release: each shim above that applies."""
+    stage = buffers_kept_through_metadata_inference(shape_inference_uncompiled(stage))
+    return non_floating_tensors_handed_on(warm_up_without_self_sends(stage))

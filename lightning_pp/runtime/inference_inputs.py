@@ -14,9 +14,13 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from lightning_pp.compat import inference_inputs_left_uninitialised
+
 
 def zeroed_inference_inputs(stage: Any) -> Any:
     """``stage`` (a ``PipelineStage``) whose shape inference runs on zeros where torch would leave memory as it was."""
+    if not inference_inputs_left_uninitialised(stage):
+        return stage
     make = stage._to_tensor
 
     def zeroed(arg: Any) -> torch.Tensor:

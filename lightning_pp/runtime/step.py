@@ -22,7 +22,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, _Pipe
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map_only
 
-from lightning_pp.compat import buffers_kept_through_metadata_inference
+from lightning_pp.compat import release_differences
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Forecast
 from lightning_pp.layout.schedule import SPLIT_BACKWARD, build_schedule, schedule_for
@@ -219,7 +219,7 @@ class PipelineRunner:
         if key not in self._schedules:
             wrappers = self._make_stages(train, call)
             stages = [
-                exact_split_backward(buffers_kept_through_metadata_inference(zeroed_inference_inputs(
+                exact_split_backward(release_differences(zeroed_inference_inputs(
                     PipelineStage(self._replicated(w), index, self.n_stages, self.device, group=self.group)
                 )))
                 for w, index in zip(wrappers, self.stage_indices)

@@ -28,6 +28,7 @@ from torch.distributed.pipelining import schedules as torch_schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.nn.utils.stateless import _reparametrize_module
 
+from lightning_pp.compat import initialize_stage
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.schedule import ASYNC, build_schedule
 from lightning_pp.runtime.step import PipelineRunner
@@ -127,7 +128,7 @@ class Schedule2BW(PipelineScheduleSingle):
         """Batch k (``kwarg_mbs``, window ``window``): all its backwards; the next batch's heads if one follows."""
         stage, m, w = self._stage, self._n_microbatches, self._w
         stage.has_backward = True
-        self._initialize_stage((), kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None)
+        initialize_stage(self, (), kwarg_mbs[0], target_mbs[0] if target_mbs is not None else None)
         stage.output_chunks.clear()
         self._internal_losses.clear()
         if self._held is not None:  # the user's step on it belongs to this batch's step
