@@ -1,9 +1,10 @@
 """Step time of ``Trainer(strategy=PipelineStrategy(...))`` against raw ``torch.distributed.pipelining``.
 
-    python benchmarks/overhead.py [--shapes gpt,encoder,...] [--schedules gpipe,1f1b] [--rounds 3] [--steps 10]
+    python benchmarks/overhead.py [--shapes gpt,encoder,...] [--schedules gpipe,1f1b] [--rounds 3] [--steps 10] [--ranks 2]
 
 Each model of ``shapes.py`` (weights large beside activations and the reverse, plain TransformerEncoderLayers,
-the design card's GPT), each schedule, m=8, 2 stages, one thread per rank, both sides launched with torchrun
+the design card's GPT), each schedule, m=8, 2 stages (``--ranks 1 --schedules interleaved_1f1b``: both on one rank,
+one GPU holding the pipeline), one thread per rank, both sides launched with torchrun
 with no allocator variables set; the strategy's and the raw script's runs alternate, and each run reports
 its median step time after the warm-up and its ranks' minor page faults per step. The ratio is the median over
 rounds of each round's strategy / raw (the two runs of a round are adjacent in time: this VM's speed drifts by
@@ -23,9 +24,9 @@ from common import RESULTS, WARMUP, launch, machine, median_spread, step_times
 from shapes import SHAPES
 
 
-def timed_run(script: str, shape: str, schedule: str, m: int, steps: int) -> tuple[float, float]:
+def timed_run(script: str, shape: str, schedule: str, m: int, steps: int, ranks: int) -> tuple[float, float]:
     """Median step time and the ranks' median minor page faults per step."""
-    result = launch(script, schedule, m, steps, extra=json.dumps({"shape": shape}))
+    result = launch(script, schedule, m, steps, extra=json.dumps({"shape": shape}), ranks=ranks)
     faults = [statistics.median(b[0] - a[0] for a, b in zip(f[WARMUP:], f[WARMUP + 1 :])) for f in result["faults"]]
     return statistics.median(step_times(result["ends"])), sum(faults)
 
@@ -36,11 +37,13 @@ def spread(values: list[float]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    cpu_shapes = [name for name, shape in SHAPES.items() if not shape.get("gpu_only")]
+    parser.add_argument("--shapes", default=",".join(cpu_shapes))
     parser.add_argument("--schedules", default="gpipe,1f1b")
     parser.add_argument("--m", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
     os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     rows = []
@@ -50,7 +53,8 @@ def main() -> None:
             faults: dict[str, list[float]] = {"strategy": [], "raw": []}
             for _ in range(args.rounds):  # alternate: the machine is noisy
                 for name, script in (("strategy", "run_strategy.py"), ("raw", "run_raw.py")):
-                    step, fault = timed_run(script, shape, schedule, args.m, SHAPES[shape].get("steps", args.steps))
+                    steps = SHAPES[shape].get("steps", args.steps)
+                    step, fault = timed_run(script, shape, schedule, args.m, steps, args.ranks)
                     times[name].append(step)
                     faults[name].append(fault)
             row = {
@@ -66,7 +70,7 @@ def main() -> None:
     result = {
         "benchmark": "overhead",
         "machine": machine(),
-        "config": {"n_microbatches": args.m, "stages": 2, "threads_per_rank": 1, "rounds": args.rounds,
+        "config": {"n_microbatches": args.m, "stages": 2, "ranks": args.ranks, "threads_per_rank": 1, "rounds": args.rounds,
                    "measured_steps_per_run": {shape: SHAPES[shape].get("steps", args.steps) - WARMUP - 1
                                               for shape in args.shapes.split(",")},
                    "ratio": "median over rounds of strategy / raw within the round"},

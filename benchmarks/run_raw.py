@@ -3,8 +3,10 @@
 
     run_raw.py SCHEDULE M STEPS OUT [OPTIONS_JSON]
 
-OPTIONS_JSON may name a ``shape`` of ``shapes.py`` (the GPT by default). Writes the wall times between
-consecutive step ends on rank 0, and every rank's minor page faults and system CPU seconds at each step end."""
+OPTIONS_JSON may name a ``shape`` of ``shapes.py`` (the GPT by default). ``interleaved_1f1b`` holds two stages per
+rank, placed as the loop schedules place them (one rank: both stages, one GPU holding the pipeline). Writes the wall
+times between consecutive step ends on rank 0, and every rank's minor page faults and system CPU seconds at each step
+end."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from common import ACCELERATOR, usage
 from shapes import build, data, loss_of, stage_of
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 if __name__ == "__main__":
     schedule_name, m, steps, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -26,25 +28,28 @@ if __name__ == "__main__":
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    model = stage_of(build(shape), rank, world).to(device)  # the tutorial's manual split
-    stage = PipelineStage(model, rank, world, device)
+    per_rank = 2 if schedule_name == "interleaved_1f1b" else 1
+    n_stages, indices = world * per_rank, [rank + world * k for k in range(per_rank)]
+    models = [stage_of(build(shape), i, n_stages).to(device) for i in indices]  # the tutorial's manual split
+    stages = [PipelineStage(model, i, n_stages, device) for model, i in zip(models, indices)]
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_of(model, out, target)
+        return loss_of(models[-1], out, target)
 
-    schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stage, m, loss_fn=loss_fn)
-    optimizer = model.configure_optimizers()
+    if per_rank == 1:
+        schedule = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule_name](stages[0], m, loss_fn=loss_fn)
+    else:
+        schedule = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn)
+    optimizers = [model.configure_optimizers() for model in models]
+    first, last = 0 in indices, n_stages - 1 in indices
     ends, faults = [], []
     for x, y in data(shape, steps):
         x, y = x.to(device), y.to(device)
-        optimizer.zero_grad()
-        if rank == 0:
-            schedule.step(x)
-        elif rank == world - 1:
-            schedule.step(target=y)
-        else:
-            schedule.step()
-        optimizer.step()
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        schedule.step(*([x] if first else []), **({"target": y} if last else {}))
+        for optimizer in optimizers:
+            optimizer.step()
         if cuda:
             torch.cuda.synchronize(device)  # the step's kernels done, not only launched
         ends.append(time.perf_counter())

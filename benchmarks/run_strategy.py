@@ -6,7 +6,10 @@ SCHEDULE and M may be ``auto`` (``PipelineStrategy(schedule="auto")`` leaves the
 per rank unset unless OPTIONS_JSON gives them, so the first batch chooses them too). OPTIONS_JSON may set ``shape``
 (a model of ``shapes.py``, the GPT by default), ``balance``, ``stages_per_rank``, ``vocab`` (a heavier head),
 ``activation_checkpointing``, ``compile``, ``memory_limit``, ``monitor`` (PipelineMonitor on: the measured bubble of
-each step is written too) and ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last).
+each step is written too), ``timeline`` (a PNG path: the Gantt chart of two consecutive steps before the last) and
+``syncs`` (on CUDA: each step's device-to-host synchronisations on every rank, as ``torch.cuda.set_sync_debug_mode``
+reports them, and the Python lines they came from). On CUDA each step's end waits for its kernels, as the raw
+script's does.
 Writes the wall times between consecutive training-batch ends on rank 0 (and the first batch's start) to the JSON
 file OUT, every rank's minor page faults and system CPU seconds at each of them, and every rank's peak resident
 memory growth during ``fit`` (and the absolute peak, and the resident memory before ``fit``); with something given
@@ -16,11 +19,14 @@ plan.
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import re
 import sys
 import time
+import warnings
+from typing import Any
 
 import lightning as L
 import torch
@@ -56,20 +62,44 @@ class LastTwoSteps(L.Callback):
 
 
 class BatchEnds(L.Callback):
-    def __init__(self) -> None:
+    def __init__(self, count_syncs: bool = False) -> None:
         self.start: float | None = None  # the first training batch's start (its step compiles)
         self.ends: list[float] = []
         self.faults: list[tuple[int, float]] = []
         self.bubbles: list[float] = []
+        self.syncs: list[int] | None = [] if count_syncs else None  # per step after the first, the loop's own too
+        self.sync_lines: collections.Counter = collections.Counter()
+        self._caught: Any = None
 
     def on_train_batch_start(self, trainer, *args) -> None:
         self.start = self.start or time.perf_counter()
 
     def on_train_batch_end(self, trainer, *args) -> None:
+        self._stop_counting()
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)  # the step's kernels done, not only launched
         self.ends.append(time.perf_counter())
         self.faults.append(usage())
         if "pipeline/bubble" in trainer.callback_metrics:
             self.bubbles.append(float(trainer.callback_metrics["pipeline/bubble"]))
+        if self.syncs is not None and trainer.strategy.root_device.type == "cuda":
+            self._caught = warnings.catch_warnings(record=True)
+            self._records = self._caught.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+
+    def on_train_end(self, trainer, *args) -> None:
+        self._stop_counting()
+
+    def _stop_counting(self) -> None:
+        if self._caught is None:
+            return
+        torch.cuda.set_sync_debug_mode("default")
+        self._caught.__exit__(None, None, None)
+        found = [w for w in self._records if "synchroniz" in str(w.message)]
+        self.syncs.append(len(found))
+        self.sync_lines.update(f"{w.filename}:{w.lineno}" for w in found)
+        self._caught = None
 
 
 class PlanLog(logging.Handler):
@@ -113,7 +143,7 @@ if __name__ == "__main__":
     L.seed_everything(0, verbose=False)
     net = GPT(**model) if shape == "gpt" else build(shape)
     loader = DataLoader(batches(steps, vocab=model["vocab"]) if shape == "gpt" else data(shape, steps), batch_size=None)
-    ends = BatchEnds()
+    ends = BatchEnds(count_syncs=options.get("syncs", False))
     callbacks = [PipelineMonitor(dirpath=options["monitor"]), ends] if options.get("monitor") else [ends]
     if options.get("timeline"):
         callbacks.append(LastTwoSteps(options["timeline"]))
@@ -132,6 +162,8 @@ if __name__ == "__main__":
     torch.distributed.all_gather_object(absolute, (proc_kib("VmHWM:") / 1024, before / 1024))
     faults: list = [None] * trainer.world_size
     torch.distributed.all_gather_object(faults, ends.faults)
+    syncs: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(syncs, (ends.syncs, dict(ends.sync_lines.most_common(12))))
     if trainer.global_rank == 0:
         with open(out, "w") as f:
             split = list(trainer.strategy.placement.counts)
@@ -139,4 +171,6 @@ if __name__ == "__main__":
             json.dump({"start": ends.start, "ends": ends.ends, "faults": faults, "bubbles": ends.bubbles,
                        "layers_per_stage": split, "peak_mib": peaks, "hwm_mib": [a[0] for a in absolute],
                        "rss_before_fit_mib": [a[1] for a in absolute], "options": chosen,
-                       "auto": sorted(trainer.strategy.options.auto), "plan": plan_log.found}, f)  # fmt: skip
+                       "auto": sorted(trainer.strategy.options.auto), "plan": plan_log.found,
+                       "syncs": [per_step for per_step, _ in syncs], "sync_lines": [lines for _, lines in syncs]},
+                      f)  # fmt: skip

@@ -66,6 +66,12 @@ SHAPES: dict[str, dict[str, Any]] = {
         "build": lambda: [nn.TransformerEncoderLayer(256, 4, dropout=0.0, batch_first=True) for _ in range(8)],
         "input": (BATCH, 64, 256),
     },
+    "encoder_1024": {
+        "about": "8 nn.TransformerEncoderLayer d=1024, 16 heads, ff 4096, 64 tokens, SGD (compile's GPU target)",
+        "build": lambda: [nn.TransformerEncoderLayer(1024, 16, 4096, dropout=0.0, batch_first=True) for _ in range(8)],
+        "input": (BATCH, 64, 1024),
+        "gpu_only": True,  # 1.3 GFLOP a sample: on this project's 2-core CPUs minutes a step
+    },
     "wide_mlp": {
         "about": "weights >> activations: 8 Linear 2048x2048 (16 MiB each), 16 samples, SGD",
         "build": lambda: _mlp(2048, 8),

@@ -127,34 +127,22 @@ def _floating(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex())
 
 
-def non_floating_tensors_handed_on(stage: Any) -> Any:
-    """``stage`` able to receive integer and boolean tensors (a traced model's position ids, masks) from the stage
-    before it, and to send them on.
+def no_gradient_for_non_floating_tensors(stage: Any) -> Any:
+    """``stage`` whose backward leaves the integer and boolean tensors it received and hands on (a traced model's
+    position ids, masks) out: it sends no gradient back for them and differentiates no such output.
 
-    torch 2.11 makes every tensor a stage receives require gradients ("only Tensors of floating point dtype can
-    require gradients") and expects a gradient back for each, by send or, on the same rank, by hand-over; torch >= 2.12
-    leaves non-floating ones out of the backward. Here, as there: such a tensor is received as it is, and no gradient
-    travels back for it (the stage before receives none, the stage after sends none; the split backward's input
-    gradients kept in their inputs' places)."""
+    torch 2.11 and 2.12 expect a gradient for every received tensor and refuse the step without one ("has gradients
+    None and is expecting to send gradients to stage 2"), while the stage before allocates no buffer for it (2.12;
+    here, 2.11 too); their split backward's input pass differentiates every output ("element 1 of tensors does not
+    require grad"), and 2.11's returns the gradients of the inputs that need them in a row, where the sends expect
+    one per input. torch >= 2.13 does as this does."""
+    from torch.distributed.pipelining import _backward as torch_backward
     from torch.distributed.pipelining import stage as torch_stage
 
-    if not hasattr(torch_stage, "_RootArgPlaceholder"):  # torch >= 2.12
+    if hasattr(stage, "_get_grad_send_meta"):  # torch >= 2.13
         return stage
-    prepare, send_info, recv_ops = stage._prepare_forward_infra, stage._create_grad_send_info, stage._get_recv_ops
-    backward = stage.backward_maybe_with_nosync
-
-    def prepare_marking_floating(num_microbatches: int, args: Any, kwargs: Any = None) -> Any:
-        backward = stage.has_backward
-        stage.has_backward = False  # torch 2.11 would mark every receive buffer
-        try:
-            outputs = prepare(num_microbatches, args, kwargs)
-        finally:
-            stage.has_backward = backward
-        for infos in stage.args_recv_info.values() if backward else ():
-            for info in infos:
-                if isinstance(info, torch_stage._RecvInfo) and _floating(info.buffer):
-                    info.buffer.requires_grad_(True)
-        return outputs
+    send_info, backward = stage._create_grad_send_info, stage.backward_maybe_with_nosync
+    in_a_row = not hasattr(torch_backward, "_autograd_grad_for_inputs")  # torch 2.11
 
     def send_info_floating(args_recv_info: tuple) -> list[Any]:
         destinations = send_info(args_recv_info)
@@ -162,6 +150,46 @@ def non_floating_tensors_handed_on(stage: Any) -> Any:
             dst if not isinstance(info, torch_stage._RecvInfo) or _floating(info.buffer) else None
             for info, dst in zip(args_recv_info, destinations)
         ]
+
+    def backward_of_floating(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+        if backward_type == "input" and bwd_kwargs["output_grads"] is not None:
+            outputs, output_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
+            kept = [(o, g) for o, g in zip(outputs, output_grads) if o.requires_grad or o.grad_fn is not None]
+            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"] = tuple(o for o, _ in kept), [g for _, g in kept]
+        grads, rest = backward(backward_type, bwd_kwargs, last_backward)
+        if backward_type == "input" and in_a_row:
+            needing, inputs = iter(grads), bwd_kwargs["input_values"]
+            grads = tuple(next(needing) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
+        return grads, rest
+
+    stage._create_grad_send_info, stage.backward_maybe_with_nosync = send_info_floating, backward_of_floating
+    return stage
+
+
+def non_floating_tensors_received(stage: Any) -> Any:
+    """``stage`` able to receive integer and boolean tensors from the stage before it, and to hand them on.
+
+    torch 2.11 makes every tensor a stage receives require gradients ("only Tensors of floating point dtype can
+    require gradients") and expects a gradient back for each, by receive or, on the same rank, by hand-over; torch >= 2.12 leaves non-floating ones out of the backward. Here, as
+    there: such a tensor is received as it is, and the stage before receives no gradient for it."""
+    from torch.distributed.pipelining import stage as torch_stage
+
+    if not hasattr(torch_stage, "_RootArgPlaceholder"):  # torch >= 2.12
+        return stage
+    prepare, recv_ops = stage._prepare_forward_infra, stage._get_recv_ops
+
+    def prepare_marking_floating(num_microbatches: int, args: Any, kwargs: Any = None) -> Any:
+        had_backward = stage.has_backward
+        stage.has_backward = False  # torch 2.11 would mark every receive buffer
+        try:
+            outputs = prepare(num_microbatches, args, kwargs)
+        finally:
+            stage.has_backward = had_backward
+        for infos in stage.args_recv_info.values() if had_backward else ():
+            for info in infos:
+                if isinstance(info, torch_stage._RecvInfo) and _floating(info.buffer):
+                    info.buffer.requires_grad_(True)
+        return outputs
 
     def recv_ops_floating(recv_infos: tuple) -> list[Any]:
         gradients_of_non_floating = [
@@ -186,24 +214,8 @@ def non_floating_tensors_handed_on(stage: Any) -> Any:
                 raise AssertionError(f"expected tensor values as outputs from prev stage, got {type(grad)}")
             info.buffer = grad
 
-    def backward_in_place(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
-        """torch 2.11's input pass differentiates every output (refused for one that needs no gradient: "element 0
-        of tensors does not require grad") and returns the gradients of the inputs that need them in a row, where
-        the sends expect one per input. Here it differentiates the outputs that need gradients, as the full
-        backward does, and its gradients are put back in their inputs' places (None for the others)."""
-        if backward_type == "input" and bwd_kwargs["output_grads"] is not None:
-            outputs, output_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
-            kept = [(o, g) for o, g in zip(outputs, output_grads) if o.requires_grad or o.grad_fn is not None]
-            bwd_kwargs["stage_output"], bwd_kwargs["output_grads"] = tuple(o for o, _ in kept), [g for _, g in kept]
-        grads, rest = backward(backward_type, bwd_kwargs, last_backward)
-        if backward_type == "input":
-            needing = iter(grads)
-            grads = tuple(next(needing) if t.requires_grad else None for t in bwd_kwargs["input_values"])
-        return grads, rest
-
-    stage._prepare_forward_infra, stage._create_grad_send_info = prepare_marking_floating, send_info_floating
-    stage.backward_maybe_with_nosync = backward_in_place
-    stage._get_recv_ops, stage.set_local_fwd_input = recv_ops_floating, set_forward_input
+    stage._prepare_forward_infra, stage._get_recv_ops = prepare_marking_floating, recv_ops_floating
+    stage.set_local_fwd_input = set_forward_input
     stage.set_local_bwd_input = set_backward_input_floating
     return stage
 
@@ -229,4 +241,5 @@ def shape_inference_uncompiled(stage: Any) -> Any:
 def release_differences(stage: Any) -> Any:
     """``stage`` (a ``PipelineStage``) behaving alike on every supported release: each shim above that applies."""
     stage = buffers_kept_through_metadata_inference(shape_inference_uncompiled(stage))
-    return non_floating_tensors_handed_on(warm_up_without_self_sends(stage))
+    stage = non_floating_tensors_received(warm_up_without_self_sends(stage))
+    return no_gradient_for_non_floating_tensors(stage)

@@ -5,12 +5,13 @@
 # installed from wheels fetched beforehand where an index is reachable (bash scripts/gpu_wheels.sh DIR, carried to
 # the machine as DIR; GPU_WHEELS=DIR, .whl by default) with pip install --no-index --find-links. The package runs
 # from this checkout (PYTHONPATH); nothing else is installed, torch least of all.
-# Runs tests/test_gpu.py (NCCL between stages, stages materialised on their device, FSDP2 inside stages, fp16 with
-# the CUDA GradScaler, bf16-mixed, 2BW, CUDA-event telemetry; each skips, saying why, where the machine has too few
-# GPUs), then the overhead, schedule and compile benchmarks on 2 GPUs (on one, the compile benchmark alone, both
-# stages on it), and the planner's count of a backward's memory against CUDA's allocator.
-# Writes OUT/tests.xml (JUnit: what passed, failed, skipped), OUT/overhead.json, OUT/schedules.json,
-# OUT/compiled.json, OUT/transient_cuda.json and OUT/versions.txt (GPU, driver, torch and the packages used).
+# Runs tests/test_gpu.py (docs/development.md's table: each skips, saying why, where the machine has too few GPUs),
+# the planner's count of a backward's memory against CUDA's allocator, then the benchmarks: the strategy's step over
+# raw torch pipelining's, compile over eager on 1024-wide blocks, the device-to-host syncs of a steady step (on one
+# GPU, both stages on it under interleaved 1F1B; on 2+, 1F1B and GPipe over two, and the schedules).
+# Writes OUT/tests.xml (JUnit: what passed, failed, skipped), OUT/transient_cuda.json, OUT/overhead.json,
+# OUT/compiled.json, OUT/syncs.json (OUT/schedules.json on 2+ GPUs) and OUT/versions.txt (GPU, driver, torch and
+# the packages used). About 8 minutes on one H100/H200 (not yet timed: see docs/development.md's table of runs).
 # Python: $PYTHON, else .venv/bin/python where scripts/setup.sh made one, else python3.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -51,6 +52,8 @@ if [ -n "$missing" ]; then
     "$python" -m pip install --quiet --disable-pip-version-check --no-index --find-links "$wheels" $missing
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# the checks start their own ranks: a SLURM allocation's variables would have Lightning wait for ranks SLURM starts
+for name in $(compgen -v SLURM_); do unset "$name"; done
 mkdir -p "$out"
 {
     nvidia-smi -L || true
@@ -69,15 +72,17 @@ PY
 } | tee "$out/versions.txt"
 status=0
 "$python" -m pytest -q -rs -p no:cacheprovider -m gpu tests/test_gpu.py --junitxml "$out/tests.xml" || status=$?
-BENCH_RESULTS="$out" "$python" benchmarks/transient_cuda.py || status=$?
+export BENCH_ACCELERATOR=cuda BENCH_RESULTS="$out"
+"$python" benchmarks/transient_cuda.py || status=$?
 if [ "$gpus" -ge 2 ]; then
-    export BENCH_ACCELERATOR=cuda BENCH_RESULTS="$out"
-    "$python" benchmarks/overhead.py --schedules gpipe,1f1b --rounds 3
-    "$python" benchmarks/schedules.py
-    "$python" benchmarks/compiled.py
-else
-    echo "gpu_check: the overhead and schedule benchmarks need 2 GPUs; this machine has $gpus: compile is timed" \
-        "with both stages on one" >&2
-    BENCH_ACCELERATOR=cuda BENCH_RESULTS="$out" "$python" benchmarks/compiled.py --ranks 1 --schedule interleaved_1f1b
+    "$python" benchmarks/overhead.py --schedules gpipe,1f1b --rounds 3 || status=$?
+    "$python" benchmarks/schedules.py || status=$?
+    "$python" benchmarks/compiled.py --shapes encoder_1024,gpt --rounds 1 || status=$?
+    "$python" benchmarks/syncs.py --ranks 2 --schedules 1f1b,gpipe || status=$?
+else  # one GPU holds both stages (interleaved 1F1B), for the strategy and for raw torch alike
+    "$python" benchmarks/overhead.py --ranks 1 --schedules interleaved_1f1b --shapes gpt --rounds 3 || status=$?
+    "$python" benchmarks/compiled.py --ranks 1 --schedule interleaved_1f1b --shapes encoder_1024 --rounds 1 \
+        || status=$?
+    "$python" benchmarks/syncs.py --ranks 1 --schedules interleaved_1f1b || status=$?
 fi
 exit "$status"

@@ -1,5 +1,6 @@
-"""On CUDA: the paths the CPU suite cannot take (NCCL between stages, stages materialised on their device,
-FSDP2 inside stages, the CUDA GradScaler, bf16 autocast, 2BW, CUDA-event telemetry), each against one GPU
+"""On CUDA: the paths the CPU suite cannot take (NCCL between stages, every stage of a multi-stage schedule on one
+device in fp32, bf16 and fp16, stages materialised on their device, FSDP2 inside stages, the CUDA GradScaler, CUDA's
+MoE branch, background saves from CUDA tensors, 2BW, CUDA-event telemetry), each against one GPU
 running the same module on the same data. They skip on a machine without enough GPUs, saying how many they
 need; ``scripts/gpu_check.sh`` runs them with the benchmarks on whatever GPUs it finds."""
 
@@ -13,8 +14,11 @@ from conftest import ok, run_job
 from test_2bw import assert_follows
 from test_adapters import LORA
 from test_frozen import _micro
+from test_moe import MOE
 from test_parity import assert_same_logs, common
 from test_tied import assert_state_equal, combined
+
+from lightning_pp.checkpoints.formats import load_sharded
 
 GPUS = torch.cuda.device_count()
 # a pipeline's micro-batches reach cuBLAS in other shapes than one process's batches: kernels sum in other orders
@@ -49,16 +53,41 @@ def test_nccl_between_stages_trains_as_one_gpu(schedule, m, tmp_path, reference)
 
 
 @gpus(1)
-@pytest.mark.parametrize("precision", ["32-true", "16-mixed"])
-def test_one_gpu_holds_both_stages_of_a_v(precision, tmp_path, reference):
-    # 16-mixed: the CUDA GradScaler's one scale over both stages' gradients, stepped as one GPU steps it
-    cfg = dict(CUDA, schedule="zbv", devices=1, m=4, precision=precision)
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved_1f1b", "looped_bfs"])
+def test_one_gpu_holds_every_stage_of_a_multi_stage_schedule(schedule, precision, tmp_path, reference):
+    # a V's two stages, or a loop's, on one device: handed over without P2P; 16-mixed: the CUDA GradScaler's one
+    # scale over every stage's gradients, stepped as one GPU steps it
+    cfg = dict(CUDA, schedule=schedule, devices=1, m=4, precision=precision)
     job = pipelined(cfg, tmp_path)
     assert job.rank(0)["param_devices"] == ["cuda:0"]
     ref = reference(**common(cfg))
     assert_same_logs(job.rank(0), ref, LOSS_TOL if precision == "32-true" else 5e-3)
     if precision == "16-mixed":
         assert job.rank(0)["scale"] == ref["scale"]
+
+
+@gpus(1)
+def test_one_gpu_trains_a_moe_model_at_its_defaults_on_cuda_s_branch(tmp_path, reference):
+    # transformers' grouped_mm experts count tokens with CUDA's integer histogram (histc of .int() ids), the branch
+    # the trace on meta records and the CPU suite counts in float: here it runs as recorded
+    cfg = dict(MOE, **{k: CUDA[k] for k in ("accelerator", "sanity", "timeout")}, model="qwen3_moe", schedule="zbv",
+               devices=1, m=4, batch=8, n_train=24)  # fmt: skip
+    job = pipelined(cfg, tmp_path)
+    assert job.rank(0)["param_devices"] == ["cuda:0"]
+    assert_state_equal(job.state(), reference(**_micro(cfg))["state"], PARAM_TOL)
+
+
+@gpus(1)
+def test_sharded_checkpoints_saved_in_the_background_from_cuda_tensors_are_whole(tmp_path, reference):
+    # async_save stages the GPU's tensors on the host and writes them while training goes on: the step-4 directory
+    # holds step 4's weights, the last one the final weights, each equal to one GPU's
+    cfg = dict(CUDA, schedule="interleaved_1f1b", devices=1, m=4, max_steps=6, state_dict_type="sharded",
+               save_every=2, async_save=True)  # fmt: skip
+    job = pipelined(cfg, tmp_path)
+    for step, name in ((4, "ckpts/step=4.ckpt"), (6, "final.ckpt")):
+        ref = reference(**{**common(cfg), "max_steps": step})
+        assert_state_equal(load_sharded(job.out / name)["state_dict"], ref["state"], PARAM_TOL)
 
 
 @gpus(1)
