@@ -1,6 +1,7 @@
 """Step time of ``Trainer(strategy=PipelineStrategy(...))`` against raw ``torch.distributed.pipelining``.
 
-    python benchmarks/overhead.py [--shapes gpt,encoder,...] [--schedules gpipe,1f1b] [--rounds 3] [--steps 10] [--ranks 2]
+    python benchmarks/overhead.py [--shapes gpt,encoder,...] [--schedules gpipe,1f1b] [--rounds 3] [--steps 10]
+                                  [--ranks 2]
 
 Each model of ``shapes.py`` (weights large beside activations and the reverse, plain TransformerEncoderLayers,
 the design card's GPT), each schedule, m=8, 2 stages (``--ranks 1 --schedules interleaved_1f1b``: both on one rank,
@@ -70,7 +71,8 @@ def main() -> None:
     result = {
         "benchmark": "overhead",
         "machine": machine(),
-        "config": {"n_microbatches": args.m, "stages": 2, "ranks": args.ranks, "threads_per_rank": 1, "rounds": args.rounds,
+        "config": {"n_microbatches": args.m, "stages": 2, "ranks": args.ranks, "threads_per_rank": 1,
+                   "rounds": args.rounds,
                    "measured_steps_per_run": {shape: SHAPES[shape].get("steps", args.steps) - WARMUP - 1
                                               for shape in args.shapes.split(",")},
                    "ratio": "median over rounds of strategy / raw within the round"},

@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     if ACCELERATOR != "cuda" or torch.cuda.device_count() < args.ranks:
-        sys.exit(f"syncs.py counts CUDA synchronisations: set BENCH_ACCELERATOR=cuda on a machine with {args.ranks} GPU(s)")
+        sys.exit(f"syncs.py counts CUDA synchronisations: BENCH_ACCELERATOR=cuda on a machine with {args.ranks} GPU(s)")
     rows = []
     for schedule in args.schedules.split(","):
         per_rank = {"stages_per_rank": 2} if schedule == "interleaved_1f1b" else {}

@@ -15,6 +15,7 @@ import torch
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 OLDEST = (2, 11)
+RELEASE = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
 
 
 def _refuse_an_older_torch(version: str) -> None:
@@ -33,7 +34,7 @@ _refuse_an_older_torch(torch.__version__)
 
 try:  # torch >= 2.15: the runtime retires each send at an explicit WAIT_SEND_F/WAIT_SEND_B of the order
     from torch.distributed.pipelining.schedules import _add_wait_send
-except ImportError:  # torch 2.13, 2.14: the runtime waits for sends by itself
+except ImportError:  # torch 2.11 to 2.14: the runtime waits for sends by itself
     _add_wait_send = None
 
 
@@ -170,8 +171,9 @@ def non_floating_tensors_received(stage: Any) -> Any:
     """``stage`` able to receive integer and boolean tensors from the stage before it, and to hand them on.
 
     torch 2.11 makes every tensor a stage receives require gradients ("only Tensors of floating point dtype can
-    require gradients") and expects a gradient back for each, by receive or, on the same rank, by hand-over; torch >= 2.12 leaves non-floating ones out of the backward. Here, as
-    there: such a tensor is received as it is, and the stage before receives no gradient for it."""
+    require gradients") and has the stage before wait for a gradient of each, by receive or, on the same rank, by
+    hand-over; torch >= 2.12 marks floating ones only. Here, as there: such a tensor is received as it is, and the
+    stage before waits for no gradient of it."""
     from torch.distributed.pipelining import stage as torch_stage
 
     if not hasattr(torch_stage, "_RootArgPlaceholder"):  # torch >= 2.12
@@ -236,6 +238,39 @@ def shape_inference_uncompiled(stage: Any) -> Any:
 
     stage._shape_inference = infer_eagerly
     return stage
+
+
+def weight_pass_exact() -> bool:
+    """Whether torch's split backward computes the weight gradients its input pass left exactly (torch >= 2.13).
+
+    torch 2.11 and 2.12's ``stage_backward_weight`` sum the gradients of an autograd node with several outputs into
+    its first output, and back-propagate from several kept nodes of which one descends from another without holding
+    the descendant's contribution back (counted twice); 2.11's also fails on a custom autograd Function's node
+    ("Attribute '_input_metadata' is invalid", transformers' MoE experts). Where it is not exact the runtime runs the
+    whole backward in the input pass (``runtime/split_backward.py``): the same gradients, without the split's overlap."""
+    return RELEASE >= (2, 13)
+
+
+def stager_kept_between_saves(stager: Any) -> Any:
+    """``stager`` (a DCP ``DefaultStager`` that background saves share) keeping its copier between saves.
+
+    torch 2.11 and 2.12 close the copier at the end of every ``stage``: its copies of the tensors are dropped (each
+    save allocates the whole shard again) and its dispatch table cleared, so the next save stops at the first class
+    object it copies (an optimizer state's ``defaultdict(dict)``: "KeyError: <class 'type'>"). torch >= 2.13 keeps
+    both until the stager is closed."""
+    if RELEASE >= (2, 13):
+        return stager
+    copier, stage = stager._state_dict_stager, stager._stage
+
+    def stage_keeping(*args: Any, **kwargs: Any) -> Any:
+        copier.close = lambda: None  # this instance's, for the one call
+        try:
+            return stage(*args, **kwargs)
+        finally:
+            del copier.close
+
+    stager._stage = stage_keeping
+    return stager
 
 
 def release_differences(stage: Any) -> Any:

@@ -126,7 +126,9 @@ def test_gpu_check_without_the_wheels_it_needs_says_how_to_fetch_them(tmp_path):
     # a Python that reports a GPU (torch.cuda.device_count()) and sees no installed distribution (-S: no
     # site-packages), as a stock image lacks hydra-core: the script stops before any test, saying what to do
     fake = tmp_path / "python"
-    fake.write_text(f'#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi\nexec {sys.executable} -S "$@"\n')
+    fake.write_text(
+        f'#!/usr/bin/env bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi\nexec {sys.executable} -S "$@"\n'
+    )
     fake.chmod(0o755)
     env = {**child_env(), "PYTHON": str(fake), "GPU_WHEELS": str(tmp_path / "none")}
     env = {k: v for k, v in env.items() if k != "PYTHONPATH"}

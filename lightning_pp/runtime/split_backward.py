@@ -9,7 +9,8 @@ layers only) computed no weight gradients at all under ``zbv``/``interleaved_zb`
 ``dualpipev``, with no error. Here such a stage defers a full backward to its weight pass, as torch does for
 stage 0; a stage whose input does need gradients but some trainable weight's path does not meet it (found
 once, on its first split backward) runs the full backward in its input pass. Stages whose weights all meet
-their input keep torch's split unchanged.
+their input keep torch's split unchanged, on torch >= 2.13: before it, torch's weight pass is not exact on every
+graph (``compat.weight_pass_exact``), and every stage runs the full backward in its input pass, said once.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc, construct_reverse_graph, get_param_groups
+
+from lightning_pp.compat import weight_pass_exact
 
 
 @dataclass
@@ -43,7 +47,7 @@ def exact_split_backward(stage: PipelineStage) -> PipelineStage:
                 output, grads = _full_backward_arguments(bwd_kwargs)
                 return tuple(None for _ in inputs), _Deferred(output, grads, inputs)
             if not full_in_input_pass:
-                full_in_input_pass.append(_has_orphan_weights(stage, bwd_kwargs))
+                full_in_input_pass.append(not _weight_pass_exact() or _has_orphan_weights(stage, bwd_kwargs))
             if full_in_input_pass[0]:
                 output, grads = _full_backward_arguments(bwd_kwargs)
                 full = {"stage_output": output, "output_grads": grads, "input_values": inputs}
@@ -57,6 +61,22 @@ def exact_split_backward(stage: PipelineStage) -> PipelineStage:
 
     stage.backward_maybe_with_nosync = split_exactly  # type: ignore[method-assign]
     return stage
+
+
+def _weight_pass_exact() -> bool:
+    exact = weight_pass_exact()
+    if not exact and not _SAID:
+        _SAID.append(True)
+        rank_zero_info(
+            f"torch {torch.__version__}'s split backward (zero-bubble and V schedules) computes some weight gradients"
+            " wrongly (fixed in torch 2.13): each stage runs its whole backward where the schedule runs the input's,"
+            " so training equals one process, without the overlap of weight gradients the schedule is for. torch"
+            " >= 2.13 splits it."
+        )
+    return exact
+
+
+_SAID: list[bool] = []
 
 
 def _full_backward_arguments(bwd_kwargs: dict) -> tuple[Any, Any]:
