@@ -7,12 +7,10 @@ test that catches it.
 
 from __future__ import annotations
 
-import inspect
 import re
 from typing import Any
 
 import torch
-from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
 OLDEST = (2, 11)
 RELEASE = tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
@@ -44,10 +42,10 @@ def with_send_waits(order_with_comms: dict[int, list[Any]]) -> dict[int, list[An
     return order_with_comms if _add_wait_send is None else _add_wait_send(order_with_comms)
 
 
-def inference_inputs_left_uninitialised(stage: Any) -> bool:
+def inference_inputs_left_uninitialised() -> bool:
     """Whether torch makes a later stage's shape-inference inputs with ``torch.empty`` (``PipelineStage._to_tensor``,
     torch >= 2.12): those need zeroing. torch 2.11's ``_shape_inference`` makes them with ``zeros_like`` itself."""
-    return hasattr(stage, "_to_tensor")
+    return RELEASE >= (2, 12)
 
 
 def buffers_kept_through_metadata_inference(stage: Any) -> Any:
@@ -55,7 +53,7 @@ def buffers_kept_through_metadata_inference(stage: Any) -> Any:
 
     The inference runs real forwards; torch 2.14 backs the buffers up and restores them afterwards, torch 2.11 to
     2.13 left their updates in (BatchNorm's running statistics moved once more for every new batch signature)."""
-    if hasattr(stage, "_pre_metadata_inference_backup"):  # torch >= 2.14 does it itself
+    if RELEASE >= (2, 14):  # it does it itself
         return stage
     saved: list[tuple[Any, Any]] = []
 
@@ -67,7 +65,7 @@ def buffers_kept_through_metadata_inference(stage: Any) -> Any:
             buffer.detach().copy_(copy)
         saved.clear()
 
-    if not hasattr(stage, "_post_metadata_inference_cleanup"):  # torch 2.11: one forward, in _shape_inference
+    if RELEASE < (2, 12):  # one forward, in _shape_inference
         infer = stage._shape_inference
 
         def infer_keeping(*args: Any, **kwargs: Any) -> Any:
@@ -100,7 +98,7 @@ def warm_up_without_self_sends(stage: Any) -> Any:
     middle stages, every stage of a loop schedule on one rank), which gloo refuses ("Pair is not connected"); the
     runtime hands those stages' tensors over directly, so the links are never used. torch >= 2.12 warms up by a vote
     that leaves them out."""
-    if hasattr(stage, "_warmup_forward_vote"):
+    if RELEASE >= (2, 12):
         return stage
     ops = stage._get_init_p2p_neighbors_ops
 
@@ -111,14 +109,11 @@ def warm_up_without_self_sends(stage: Any) -> Any:
     return stage
 
 
-_INITIALIZED_WITH_TARGET = "target" in inspect.signature(PipelineScheduleSingle._initialize_stage).parameters
-
-
 def initialize_stage(schedule: Any, args: tuple, kwargs: dict[str, Any], target: Any) -> None:
     """A single-stage schedule's first-step set-up, run by a schedule of our own (2BW) that steps without ``step()``:
     torch >= 2.12 infers the backward's metadata from the first micro-batch's target too, torch 2.11 from its
     inputs alone (``_initialize_stage(args, kwargs)``)."""
-    if _INITIALIZED_WITH_TARGET:
+    if RELEASE >= (2, 12):
         schedule._initialize_stage(args, kwargs, target)
     else:
         schedule._initialize_stage(args, kwargs)
@@ -137,13 +132,12 @@ def no_gradient_for_non_floating_tensors(stage: Any) -> Any:
     here, 2.11 too); their split backward's input pass differentiates every output ("element 1 of tensors does not
     require grad"), and 2.11's returns the gradients of the inputs that need them in a row, where the sends expect
     one per input. torch >= 2.13 does as this does."""
-    from torch.distributed.pipelining import _backward as torch_backward
     from torch.distributed.pipelining import stage as torch_stage
 
-    if hasattr(stage, "_get_grad_send_meta"):  # torch >= 2.13
+    if RELEASE >= (2, 13):
         return stage
     send_info, backward = stage._create_grad_send_info, stage.backward_maybe_with_nosync
-    in_a_row = not hasattr(torch_backward, "_autograd_grad_for_inputs")  # torch 2.11
+    in_a_row = RELEASE < (2, 12)
 
     def send_info_floating(args_recv_info: tuple) -> list[Any]:
         destinations = send_info(args_recv_info)
@@ -176,7 +170,7 @@ def non_floating_tensors_received(stage: Any) -> Any:
     stage before waits for no gradient of it."""
     from torch.distributed.pipelining import stage as torch_stage
 
-    if not hasattr(torch_stage, "_RootArgPlaceholder"):  # torch >= 2.12
+    if RELEASE >= (2, 12):
         return stage
     prepare, recv_ops = stage._prepare_forward_infra, stage._get_recv_ops
 
@@ -228,7 +222,7 @@ def shape_inference_uncompiled(stage: Any) -> Any:
     torch 2.11 infers shapes by a forward under ``no_grad``: compiled layers (``compile=True``) compiled a graph for
     it, a second one per batch signature that training never runs (torch >= 2.12 infers under the training step's
     own grad mode). The shapes are the same eagerly."""
-    if not hasattr(stage, "_shape_inference"):  # torch >= 2.12
+    if RELEASE >= (2, 12):
         return stage
     infer = stage._shape_inference
 

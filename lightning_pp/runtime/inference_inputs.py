@@ -19,7 +19,7 @@ from lightning_pp.compat import inference_inputs_left_uninitialised
 
 def zeroed_inference_inputs(stage: Any) -> Any:
     """``stage`` (a ``PipelineStage``) whose shape inference runs on zeros where torch would leave memory as it was."""
-    if not inference_inputs_left_uninitialised(stage):
+    if not inference_inputs_left_uninitialised():
         return stage
     make = stage._to_tensor
 
