@@ -123,15 +123,16 @@ def _floating(tensor: Any) -> bool:
     return isinstance(tensor, torch.Tensor) and (tensor.is_floating_point() or tensor.is_complex())
 
 
-def no_gradient_for_non_floating_tensors(stage: Any) -> Any:
-    """``stage`` whose backward leaves the integer and boolean tensors it received and hands on (a traced model's
-    position ids, masks) out: it sends no gradient back for them and differentiates no such output.
+def no_gradient_for_tensors_that_need_none(stage: Any) -> Any:
+    """``stage`` whose backward leaves out the tensors it received and hands on that need no gradient (a traced
+    model's position ids and masks; its rotary tables, made under ``no_grad``): it sends no gradient back for them
+    and differentiates no such output.
 
     torch 2.11 and 2.12 expect a gradient for every received tensor and refuse the step without one ("has gradients
-    None and is expecting to send gradients to stage 2"), while the stage before allocates no buffer for it (2.12;
-    here, 2.11 too); their split backward's input pass differentiates every output ("element 1 of tensors does not
-    require grad"), and 2.11's returns the gradients of the inputs that need them in a row, where the sends expect
-    one per input. torch >= 2.13 does as this does."""
+    None and is expecting to send gradients to stage 0"), while the stage before waits for none (2.12: where its
+    output needs no gradient; 2.11, here: where it is not floating); their split backward's input pass
+    differentiates every output ("element 1 of tensors does not require grad"), and 2.11's returns the gradients
+    of the inputs that need them in a row, where the sends expect one per input. torch >= 2.13 does as this does."""
     from torch.distributed.pipelining import stage as torch_stage
 
     if RELEASE >= (2, 13):
@@ -139,14 +140,18 @@ def no_gradient_for_non_floating_tensors(stage: Any) -> Any:
     send_info, backward = stage._create_grad_send_info, stage.backward_maybe_with_nosync
     in_a_row = RELEASE < (2, 12)
 
-    def send_info_floating(args_recv_info: tuple) -> list[Any]:
+    def needs_gradient(info: Any) -> bool:
+        meta = getattr(info, "tensor_meta", None)  # 2.12: what the stage before made; 2.11 has none
+        return meta.requires_grad if meta is not None else _floating(info.buffer)
+
+    def send_info_needed(args_recv_info: tuple) -> list[Any]:
         destinations = send_info(args_recv_info)
         return [
-            dst if not isinstance(info, torch_stage._RecvInfo) or _floating(info.buffer) else None
+            dst if not isinstance(info, torch_stage._RecvInfo) or needs_gradient(info) else None
             for info, dst in zip(args_recv_info, destinations)
         ]
 
-    def backward_of_floating(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
+    def backward_of_needed(backward_type: str, bwd_kwargs: dict, last_backward: bool = False) -> Any:
         if backward_type == "input" and bwd_kwargs["output_grads"] is not None:
             outputs, output_grads = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"]
             kept = [(o, g) for o, g in zip(outputs, output_grads) if o.requires_grad or o.grad_fn is not None]
@@ -157,7 +162,7 @@ def no_gradient_for_non_floating_tensors(stage: Any) -> Any:
             grads = tuple(next(needing) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in inputs)
         return grads, rest
 
-    stage._create_grad_send_info, stage.backward_maybe_with_nosync = send_info_floating, backward_of_floating
+    stage._create_grad_send_info, stage.backward_maybe_with_nosync = send_info_needed, backward_of_needed
     return stage
 
 
@@ -271,4 +276,4 @@ def release_differences(stage: Any) -> Any:
     """``stage`` (a ``PipelineStage``) behaving alike on every supported release: each shim above that applies."""
     stage = buffers_kept_through_metadata_inference(shape_inference_uncompiled(stage))
     stage = non_floating_tensors_received(warm_up_without_self_sends(stage))
-    return no_gradient_for_non_floating_tensors(stage)
+    return no_gradient_for_tensors_that_need_none(stage)

@@ -1,7 +1,8 @@
 """``lightning_pp/compat.py``: each shim applies on the torch releases it names and nowhere else, and with them a
-V whose stages hand integer tensors on (a traced model's position ids) and use a layer twice trains as one process
-does, on every release (torch 2.11's own stage refuses the integers, 2.11 and 2.12's split backward counts a
-weight gradient twice; ``scripts/compat.sh`` runs this file on each release)."""
+V whose stages hand on tensors that need no gradient (a traced model's position ids, its rotary table) and use a
+layer twice trains as one process does, on every release (torch 2.11's own stage refuses the integers, 2.11 and
+2.12's wait for gradients of them, and their split backward counts a weight gradient twice; ``scripts/compat.sh``
+runs this file on each release)."""
 
 from __future__ import annotations
 
@@ -23,27 +24,30 @@ COVERS = {
     "shape_inference_uncompiled": ((2, 11), (2, 11)),
     "warm_up_without_self_sends": ((2, 11), (2, 11)),
     "non_floating_tensors_received": ((2, 11), (2, 11)),
-    "no_gradient_for_non_floating_tensors": ((2, 11), (2, 12)),
+    "no_gradient_for_tensors_that_need_none": ((2, 11), (2, 12)),
 }
 N_STAGES, M, DIM = 4, 4, 8
 
 
 class Piece(nn.Module):
-    """A stage: hidden states and token ids in, both out (the ids re-embedded by every stage), its Linear used twice,
-    the second time on what the first made of the input: torch 2.11 and 2.12's split weight pass counts a gradient
-    of it twice."""
+    """A stage: hidden states, token ids and a table made from them without gradients (as a rotary table is) in,
+    all three out; its Linear used twice, the second time on what the first made of the input (torch 2.11 and 2.12's
+    split weight pass counts a gradient of it twice)."""
 
     def __init__(self, index: int) -> None:
         super().__init__()
         torch.manual_seed(index)
         self.embed, self.linear = nn.Embedding(16, DIM), nn.Linear(DIM, DIM)
 
-    def forward(self, h: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        y = torch.tanh(self.linear(h) + self.embed(ids))
-        return self.linear(y * h), ids
+    def forward(self, h: torch.Tensor, ids: torch.Tensor, table: torch.Tensor | None = None) -> tuple:
+        if table is None:
+            with torch.no_grad():
+                table = torch.cos(ids.float())
+        y = torch.tanh(self.linear(h) + self.embed(ids)) * table[:, None]
+        return self.linear(y * h), ids, table
 
 
-def _loss(output: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+def _loss(output: tuple, target: torch.Tensor) -> torch.Tensor:
     return ((output[0] - target) ** 2).mean() / M
 
 

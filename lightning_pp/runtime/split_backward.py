@@ -63,7 +63,11 @@ def exact_split_backward(stage: PipelineStage) -> PipelineStage:
     return stage
 
 
+_SAID: list[bool] = []
+
+
 def _weight_pass_exact() -> bool:
+    """``compat.weight_pass_exact``, said once per process (rank 0) where it is not."""
     exact = weight_pass_exact()
     if not exact and not _SAID:
         _SAID.append(True)
@@ -74,9 +78,6 @@ def _weight_pass_exact() -> bool:
             " >= 2.13 splits it."
         )
     return exact
-
-
-_SAID: list[bool] = []
 
 
 def _full_backward_arguments(bwd_kwargs: dict) -> tuple[Any, Any]:
