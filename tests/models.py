@@ -707,7 +707,10 @@ class DoraLlama(LoraLlama):
 
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
-        self.model.activation_checkpointing_enable(every_n_layers=2)
+        # transformers 5.17 names it gradient_checkpointing_enable (an alias, deprecated, since)
+        model = self.model
+        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable(every_n_layers=2)
 
 
 class LoraGPT(TinyGPT):
@@ -785,6 +788,15 @@ class HFMoEEager(HFMoE):
     the tracer cannot export (it runs eagerly once its experts are split over replicas)."""
 
     experts = "eager"
+
+
+def transformers_at_least(major: int, minor: int) -> bool:
+    """Whether this transformers is that release or later. Before 5.23, the load-balancing loss counts each expert's
+    tokens with ``torch.bincount`` and float32 experts' backward reads their token counts in Python: a trace on meta
+    cannot run either, and such models are refused there, naming 5.23."""
+    import transformers
+
+    return tuple(int(n) for n in transformers.__version__.split(".")[:2]) >= (major, minor)
 
 
 _FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v3", "llama4_text")

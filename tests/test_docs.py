@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from conftest import run_script
+from models import transformers_at_least
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -58,6 +59,8 @@ def _ranks(where: str, code: str) -> int:
 
 @pytest.mark.parametrize("where,code", _RUNNABLE, ids=[w for w, _ in _RUNNABLE])
 def test_block_runs(where: str, code: str, tmp_path: Path) -> None:
+    if "output_router_logits=True" in code and not transformers_at_least(5, 23):
+        pytest.skip("transformers < 5.23 counts the router's tokens with bincount: the trace is refused (test_moe.py)")
     script = tmp_path / "block.py"
     script.write_text(code)
     returncode, output = run_script(script, timeout=240, ranks=_ranks(where, code))

@@ -15,6 +15,7 @@ import torch
 from conftest import child_env, free_port, run_module, run_two_nodes
 from hydra import compose, initialize_config_module
 from hydra.utils import instantiate
+from models import transformers_at_least
 
 from lightning_pp import empty_weights, materialize
 from lightning_pp.errors import PipelineConfigError
@@ -177,6 +178,8 @@ def test_lora_trains_only_the_adapters_through_the_app(tmp_path):
     run_dir = tmp_path / "run"
     experts = "peft.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
     lora = ["model=qwen3_moe_tiny", "model.n_layers=2", "peft=lora", experts]
+    if not transformers_at_least(5, 23):  # transformers < 5.23: its load-balancing loss is refused under the trace
+        lora.append("model.output_router_logits=false")
     quick = [o for o in QUICK if not o.startswith("trainer.limit_val_batches")] + ["trainer.limit_val_batches=0"]
     proc = app([*quick, *lora, "trainer.limit_train_batches=4", f"hydra.run.dir={run_dir}"], tmp_path, ranks=2)
     assert proc.returncode == 0, proc.stderr[-3000:]

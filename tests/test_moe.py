@@ -9,12 +9,13 @@ import pytest
 import torch
 from conftest import consolidate_cli, ok, run_job
 from models import MOE as MOE_MODELS
-from models import HFLlama, LoraLlama4, LoraMoE
+from models import HFLlama, LoraLlama4, LoraMoE, transformers_at_least
 from test_frozen import _micro
 from test_parity import common
 from test_tied import assert_state_equal, combined
 
 from lightning_pp.choose.costs import counted_costs
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.split.profiling import DeviceSpeed
 
 LOSS_TOL, PARAM_TOL = 2e-4, 1e-5
@@ -48,6 +49,10 @@ def test_hf_moe_models_at_their_defaults_train_as_one_process(family, schedule, 
     _close(_losses(job.rank(0)["logged"]), _losses(reference(**common(cfg))["logged"]))
 
 
+TRACED_WITHOUT_DATA = transformers_at_least(5, 23)  # a router loss, float32 experts' backward
+
+
+@pytest.mark.skipif(not TRACED_WITHOUT_DATA, reason="transformers < 5.23: the router loss's bincount, refused")
 @pytest.mark.parametrize("model,pad", [("router", False), ("router_mask", True)], ids=["no-mask", "mask"])
 def test_router_loss_is_per_microbatch_and_its_statistics_reach_every_rank(model, pad, tmp_path, reference):
     # Qwen2-MoE (shared experts), output_router_logits=True, the step adding 0.1 x aux_loss; with padded
@@ -64,6 +69,16 @@ def test_router_loss_is_per_microbatch_and_its_statistics_reach_every_rank(model
     assert job.output.count("its load-balancing loss is computed per micro-batch, so the pipeline trains") == 1
     whole = _losses(reference(**common(cfg))["logged"])  # the loss of whole batches differs: not additive
     assert max(abs(a - b) for a, b in zip(_losses(job.rank(0)["logged"]), whole)) > LOSS_TOL
+
+
+@pytest.mark.skipif(TRACED_WITHOUT_DATA, reason="transformers >= 5.23 traces the load-balancing loss (the test above)")
+def test_a_load_balancing_loss_transformers_cannot_trace_is_refused_naming_the_release(tmp_path):
+    # transformers 5.17-5.22 count each expert's tokens with torch.bincount: no meta kernel, so no trace
+    cfg = dict(MOE, model="router", schedule="1f1b", devices=2, m=2, batch=8, n_train=24)
+    job = run_job({**cfg, "strategy": "pipeline"}, tmp_path / "job", timeout=120)
+    assert job.returncode != 0
+    assert "counts each expert's tokens with torch.bincount" in job.output, job.output[-3000:]
+    assert "install transformers>=5.23" in job.output and "output_router_logits=False" in job.output
 
 
 def test_experts_sharded_over_replicas_train_as_one_process_and_checkpoint_in_its_layout(tmp_path, reference):
@@ -199,6 +214,10 @@ def test_balance_profile_counts_experts_adapted_by_lora():
 
     tokens = torch.zeros(2, 8, dtype=torch.long)
     call = ModelCall("model", (), {"input_ids": tokens, "labels": tokens})
+    if not TRACED_WITHOUT_DATA:  # transformers < 5.23: the experts' backward reads token counts, refused naming 5.23
+        with pytest.raises(PipelineConfigError, match=r"cannot be costed on meta .* install transformers>=5\.23"):
+            Tracer(MOE_MODELS["qwen3_moe"](n_layers=4), "model", "model.model.layers", (2, 2)).flop_costs(True, call)
+        return
     costs = [
         Tracer(model, "model", f"model.{layers}", (2, 2)).flop_costs(True, call).layers
         for model, layers in ((LoraMoE(n_layers=4), "base_model.model.model.layers"),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ok, run_job
-from models import HFGPT2, HFGPT2Cache, HFMoEEager, NanoGPT
+from models import HFGPT2, HFGPT2Cache, HFMoEEager, NanoGPT, transformers_at_least
 from test_parity import LOSS_TOL, assert_same_logs, common
 from test_tied import assert_state_equal, combined
 from torch import nn
@@ -74,7 +74,11 @@ def test_hf_gpt2_traced_with_replicas_trains_as_one_process_on_their_combined_ba
     assert torch.equal(state[TIE[0]], state[TIE[1]])
 
 
-@pytest.mark.parametrize("model", ["llama", "olmo3", "vit", "opt", "gptj", "falcon"])
+# transformers 5.17's OPT guards on a value its attention mask holds, which no trace can: refused (models.md)
+OPT = pytest.param("opt", marks=pytest.mark.skipif(not transformers_at_least(5, 23), reason="OPT traces from 5.23"))
+
+
+@pytest.mark.parametrize("model", ["llama", "olmo3", "vit", OPT, "gptj", "falcon"])
 def test_hf_families_traced_train_as_one_process(model, tmp_path, reference):
     # the rotary embedding's @torch.no_grad() forward, traced as detached results (torch's unflattening drops the
     # arguments of a module called in a no-grad region); interleaved 1F1B: 4 stages on 2 ranks. Olmo3 calls its

@@ -25,7 +25,7 @@ from lightning_pp.choose.machine import cache_path, write_cache
 from lightning_pp.choose.planner import ModelCosts
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.memory.materialize import on_fake
-from lightning_pp.split.experts import eager_experts_fix
+from lightning_pp.split.experts import eager_experts_fix, fallback_backward_fix
 from lightning_pp.split.microbatch import batch_size_of, split_batch
 from lightning_pp.split.profiling import DeviceSpeed, Segments, count_segments, measure_segments, sum_of_outputs
 from lightning_pp.split.stage import find_layers, patched, resolve_layers, without_kv_cache
@@ -69,7 +69,7 @@ def counted_costs(
                 step = functools.partial(module.training_step, micro, 0)
                 measured.append(count_segments(module, blocks, step, size, speed))
     except (DataDependentOutputException, DynamicOutputShapeException) as error:
-        fix = eager_experts_fix(module)
+        fix = eager_experts_fix(module) or fallback_backward_fix(module)
         raise PipelineConfigError(
             f"{type(module).__name__}'s step asks its tensors' values ({error}), which a model costed by its FLOPs"
             f" (built on meta, or too large to measure on {device}) does not have{'. ' + fix if fix else ''}"

@@ -49,8 +49,10 @@ def _(hidden, top_k_index, top_k_weights, weights, path):  # type: ignore[no-unt
 
 
 def is_experts(module: nn.Module) -> bool:
-    """transformers' experts modules (``@use_experts_implementation`` sets ``_is_expert_parallel``)."""
-    return hasattr(module, "_is_expert_parallel") and isinstance(getattr(module, "num_experts", None), int)
+    """transformers' experts modules: ``@use_experts_implementation`` gives them the layout of their weights
+    (``has_gate``, ``is_concatenated``, ``is_transposed``; transformers 5.17 and later alike)."""
+    marks = ("has_gate", "is_concatenated", "is_transposed")
+    return all(hasattr(module, mark) for mark in marks) and isinstance(getattr(module, "num_experts", None), int)
 
 
 def eager_experts_fix(model: nn.Module) -> str:
@@ -70,6 +72,24 @@ def eager_experts_fix(model: nn.Module) -> str:
         " experts_implementation='eager', a loop over the experts each batch routes tokens to, which only the data"
         " decides: build or load the model with experts_implementation='grouped_mm' (transformers' default) or"
         " 'batched_mm' (`from_pretrained(..., experts_implementation='grouped_mm')`)"
+    )
+
+
+def fallback_backward_fix(model: nn.Module) -> str:
+    """What to change when a model's experts must be costed without data on transformers before 5.23: there the
+    backward of the float32 experts' grouped matmul (``grouped_mm_fallback``) is Python reading each expert's token
+    count to the host (``offs.tolist()``), which meta and fake tensors do not have; 5.23 made it a custom op with a
+    kernel for them. Empty where it does not apply."""
+    import transformers
+
+    release = tuple(int(n) for n in transformers.__version__.split(".")[:2])
+    if release >= (5, 23) or not any(is_experts(m) for m in model.modules()):
+        return ""
+    return (
+        f"Its experts' backward in transformers {transformers.__version__} (the grouped matmul's fallback for float32"
+        " weights) reads how many tokens each expert got, which a model costed without data does not have: install"
+        " transformers>=5.23, or give balance= a list of layer counts (and schedule=, n_microbatches= for"
+        " schedule='auto')"
     )
 
 

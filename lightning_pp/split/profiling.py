@@ -119,8 +119,9 @@ def _flop_counter() -> Iterator[FlopCounterMode]:
     _will_engine_execute_node"); the total is the same."""
     formulas = {torch.ops.aten._grouped_mm: _grouped_mm_flops, **EXPERTS_FLOPS}
     fallback = torch.ops.transformers  # a namespace of ops transformers registers when its MoE code is imported
-    if hasattr(fallback, "grouped_mm_fallback") and hasattr(fallback, "grouped_mm_fallback_backward"):
+    if hasattr(fallback, "grouped_mm_fallback"):
         formulas[fallback.grouped_mm_fallback] = _grouped_mm_flops
+    if hasattr(fallback, "grouped_mm_fallback_backward"):  # transformers >= 5.23; before, its mm's are seen
         formulas[fallback.grouped_mm_fallback_backward] = _grouped_mm_backward_flops
     counter = FlopCounterMode(display=False, custom_mapping=formulas)
     with _FlopCounterMode(counter), _GroupedInBf16():

@@ -40,7 +40,13 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.options import Balance
 from lightning_pp.memory.materialize import on_meta
 from lightning_pp.memory.recompute import marked_by_the_model
-from lightning_pp.split.experts import EXPERTS_OP, call_eager, eager_experts_fix, opaque_adapted_experts
+from lightning_pp.split.experts import (
+    EXPERTS_OP,
+    call_eager,
+    eager_experts_fix,
+    fallback_backward_fix,
+    opaque_adapted_experts,
+)
 from lightning_pp.split.microbatch import ModelCall, signature
 from lightning_pp.split.partition import Costs, resolve_balance, stage_of_each_layer
 from lightning_pp.split.peft_trace import traceable_adapters, untraced_adapters_fix
@@ -148,6 +154,11 @@ class Tracer:
 
         try:
             return flops_of(layers, run)
+        except NotImplementedError as error:  # "Cannot copy out of meta tensor"
+            fix = fallback_backward_fix(self.skeleton)
+            if not fix:
+                raise
+            raise PipelineConfigError(f"{type(self.skeleton).__name__} cannot be costed on meta ({error}). {fix}.")
         finally:
             self.skeleton.zero_grad(set_to_none=True)
 
@@ -292,6 +303,21 @@ def _say_router_loss(skeleton: nn.Module) -> None:
         )
 
 
+def _router_loss_fix(skeleton: nn.Module, reason: str) -> str:
+    """What to change when a trace stopped at the load-balancing loss: transformers before 5.23 count each expert's
+    tokens with ``torch.bincount``, whose length only the data decides, so a trace on meta cannot run it (5.23 counts
+    them with ``histc``). Empty for any other failure."""
+    if "bincount" not in reason or not configs_with(skeleton, "output_router_logits"):
+        return ""
+    import transformers
+
+    return (
+        "Its load-balancing loss (config.output_router_logits=True) counts each expert's tokens with torch.bincount"
+        f" in transformers {transformers.__version__}: install transformers>=5.23 (it counts them with histc) or set"
+        " output_router_logits=False"
+    )
+
+
 @functools.lru_cache(maxsize=None)
 def _say_once(message: str) -> None:
     rank_zero_info(message)
@@ -334,7 +360,7 @@ def _trace(skeleton: nn.Module, train: bool, call: ModelCall, split_points: list
             cause = inner if str(inner).strip() else cause  # type: ignore[assignment]
             inner = inner.__cause__
         reason = (str(cause).strip().splitlines() or [""])[0]
-        fix = eager_experts_fix(skeleton) or untraced_adapters_fix(skeleton)
+        fix = eager_experts_fix(skeleton) or untraced_adapters_fix(skeleton) or _router_loss_fix(skeleton, reason)
         raise PipelineConfigError(
             f"split='trace' cannot trace and split {name} with torch.distributed.pipelining ({type(cause).__name__}:"
             f" {reason}). {fix + ', which trace, or use' if fix else 'Use'} {_ALTERNATIVES}."
