@@ -69,7 +69,8 @@ class BatchEnds(L.Callback):
         self.bubbles: list[float] = []
         self.syncs: list[int] | None = [] if count_syncs else None  # per step after the first, the loop's own too
         self.sync_lines: collections.Counter = collections.Counter()
-        self._caught: Any = None
+        self._caught: Any = None  # a warnings.catch_warnings while a step's syncs are counted
+        self._records: list = []
 
     def on_train_batch_start(self, trainer, *args) -> None:
         self.start = self.start or time.perf_counter()

@@ -192,15 +192,12 @@ def non_floating_tensors_received(stage: Any) -> Any:
                     info.buffer.requires_grad_(True)
         return outputs
 
+    def awaited(info: Any) -> bool:  # not the gradient of a tensor that is not floating
+        gradient = isinstance(info, torch_stage._RecvInfo) and info.input_name.startswith("recv_grad_for_")
+        return not gradient or _floating(info.buffer)
+
     def recv_ops_floating(recv_infos: tuple) -> list[Any]:
-        gradients_of_non_floating = [
-            info
-            for info in recv_infos
-            if isinstance(info, torch_stage._RecvInfo)
-            and info.input_name.startswith("recv_grad_for_")
-            and not _floating(info.buffer)
-        ]
-        return recv_ops(tuple(info for info in recv_infos if info not in gradients_of_non_floating))
+        return recv_ops(tuple(info for info in recv_infos if awaited(info)))
 
     def set_forward_input(prev_stage_outputs: Any, mb_index: int) -> None:
         outputs = torch_stage._normalize_model_output_as_tuple(prev_stage_outputs)

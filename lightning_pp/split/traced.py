@@ -158,7 +158,9 @@ class Tracer:
             fix = fallback_backward_fix(self.skeleton)
             if not fix:
                 raise
-            raise PipelineConfigError(f"{type(self.skeleton).__name__} cannot be costed on meta ({error}). {fix}.")
+            raise PipelineConfigError(
+                f"{type(self.skeleton).__name__} cannot be costed on meta ({error}). {fix}."
+            ) from error
         finally:
             self.skeleton.zero_grad(set_to_none=True)
 
