@@ -42,6 +42,7 @@ from lightning_pp.layout.options import microbatches_for
 from lightning_pp.layout.schedule import check_loaders
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.lifecycle.rendezvous import connect
+from lightning_pp.lifecycle.signals import SignalStop, carry_signals_through_store
 from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
 from lightning_pp.memory.materialize import check_initializers, check_materialized, empty_weights
 from lightning_pp.runtime.grads import StepGradients, add_gradients, step_gradients, window_starts
@@ -231,6 +232,7 @@ class PipelineStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None and self.accelerator is not None
         summarize_counted_flops(trainer)
+        carry_signals_through_store(trainer)
         if self._placement is None:
             check_module(module, self.options.layers, self.options.balance, self.n_stages)
         self._holding.match_pretrained(module)
@@ -403,21 +405,11 @@ class PipelineStrategy(ParallelStrategy):
         shared = share_parameters(local, views, self._placement, layout)
         count_once(self.precision_plugin, shared.counted_elsewhere)
         self._runner = runner_for(self.options.schedule)(
-            local,
-            layout.stages,
-            make_stages,
-            self.n_stages,
-            self.root_device,
-            self._groups.pp,
-            self.options.schedule,
-            model_entries(local, self._placement.layers_path),
-            self._groups.dp,
-            label=layout.pp_rank,
-            shared=shared,
-            overlap_replicas=self._tracer is None,
-            sharded=self.options.fsdp_reshard if self._holding.sharded else None,
+            local, layout.stages, make_stages, self.n_stages, self.root_device, self._groups.pp, self.options.schedule,
+            model_entries(local, self._placement.layers_path), self._groups.dp, label=layout.pp_rank, shared=shared,
+            overlap_replicas=self._tracer is None, sharded=self.options.fsdp_reshard if self._holding.sharded else None,
             forecast=self.options.forecast,
-        )
+        )  # fmt: skip
         p2p = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")  # NCCL P2P
         self._relay = ReportRelay(layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, p2p)
         return self._runner
@@ -547,6 +539,11 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         self._saves.complete(self.global_rank, self.barrier, end=True)  # async_save: the save in flight lands
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SignalStop):  # every rank stopped after the same step: the save in flight lands
+            self.on_train_end()
 
     @override
     def teardown(self) -> None:

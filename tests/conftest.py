@@ -37,6 +37,7 @@ def child_env() -> dict[str, str]:
 class Job:
     def __init__(self, proc: subprocess.CompletedProcess, out: Path, seconds: float) -> None:
         self.returncode = proc.returncode
+        self.codes = [proc.returncode]  # each rank's exit status, where the ranks were forked
         self.output = proc.stdout
         self.out = out
         self.seconds = seconds
@@ -70,7 +71,7 @@ def run_job(
         request = {"cfg": cfg} if restarts is None else {"cfg": cfg, "restarts": restarts}
         codes, output = _FORKED.run(request, out.parent, env or {}, timeout)
         job = Job(subprocess.CompletedProcess([], max(codes, key=abs)), out, time.monotonic() - start)
-        job.output = output
+        job.output, job.codes = output, codes
         return job
     command = command or [sys.executable, str(HERE / "job.py")]
     proc = subprocess.run(

@@ -57,6 +57,8 @@ def _exit_after(run: Callable[[], object]) -> None:
     code = 0
     try:
         run()
+    except SystemExit as stop:  # as Python ends a process: its code, 1 for a message
+        code = stop.code if isinstance(stop.code, int) else 0 if stop.code is None else 1
     except BaseException:  # noqa: B036  (the rank's exit status is what the test reads)
         traceback.print_exc()
         code = 1

@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -399,6 +400,68 @@ class Pid(Callback):
         self._maybe_die(trainer, "step")
 
 
+class Signals(Callback):
+    """Sends signals to ranks mid-step, as a scheduler or an operator would: ``signals`` lists ``[rank, batch, name]``
+    (the batch counted over epochs, ``name`` "TERM", "INT" or "USR1"), each sent ``delay`` seconds after that batch
+    began, from a thread of the rank's own process; each batch takes ``pace`` seconds more. Every rank records where
+    it stopped (``stopped{rank}.json``)."""
+
+    def __init__(self, out: Path, signals: list[list], pace: float = 0.0, delay: float = 0.05) -> None:
+        self.out, self.signals, self.pace, self.delay = out, signals, pace, delay
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        time.sleep(self.pace)  # steps of a known length: a signal's news reaches every rank within a few
+        for rank, at, name in self.signals:
+            if rank == trainer.global_rank and trainer.fit_loop.epoch_loop.total_batch_idx == at:
+                (self.out / f"signalled{rank}").write_text(str(time.time()))
+                signum = getattr(signal, f"SIG{name}")
+                threading.Timer(self.delay, os.kill, (os.getpid(), signum)).start()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        where = {"step": trainer.global_step, "batches": trainer.fit_loop.epoch_loop.total_batch_idx,
+                 "exception": type(exception).__name__, "code": getattr(exception, "code", None),
+                 "received_sigterm": trainer.received_sigterm, "time": time.time()}  # fmt: skip
+        (self.out / f"stopped{trainer.global_rank}.json").write_text(json.dumps(where))
+
+
+_COLLECTIVES = ("broadcast", "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "barrier",
+                "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
+                "all_to_all", "all_to_all_single", "monitored_barrier", "gather_object", "scatter_object_list")  # fmt: skip
+
+
+class Collectives(Callback):
+    """Counts the collectives each training step calls through ``torch.distributed`` (every function above, whoever
+    calls it; each call goes through), from ``on_train_batch_start`` to the next batch's start (the optimizer step,
+    the loops' own work and the logging between them included), by the size of the group."""
+
+    def __init__(self) -> None:
+        self.per_step: list[dict[str, int]] = []
+        self._counts: dict[str, int] | None = None
+        dist = torch.distributed
+        for name in _COLLECTIVES:
+            original = getattr(dist, name)
+            counted = functools.partial(self._call, name, original)
+            setattr(dist, name, counted)
+            setattr(dist.distributed_c10d, name, counted)
+
+    def _call(self, name: str, original: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._counts is not None:
+            group = kwargs.get("group")
+            key = f"{name}@{'world' if group is None else torch.distributed.get_world_size(group)}"
+            self._counts[key] = self._counts.get(key, 0) + 1
+        return original(*args, **kwargs)
+
+    def on_train_batch_start(self, trainer, *args) -> None:
+        if self._counts is not None:
+            self.per_step.append(self._counts)
+        self._counts = {}
+
+    def on_train_end(self, trainer, *args) -> None:
+        if self._counts is not None:
+            self.per_step.append(self._counts)
+        self._counts = None
+
+
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
@@ -468,9 +531,19 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         devices = cfg["devices"]
     logger, seen = MemoryLogger(), Seen()
     callbacks: list[Callback] = [seen, Pid(out, cfg.get("kills", {}))]
+    if cfg.get("signals"):
+        callbacks.append(Signals(out, cfg["signals"], cfg.get("pace", 0.0)))
+    collectives = Collectives() if cfg.get("count_collectives") else None
+    if collectives is not None:
+        callbacks.append(collectives)
     if cfg.get("reference_2bw"):
         callbacks.append(TwoBWReference())
     os.environ.update(cfg.get("env", {}))
+    if cfg.get("slurm"):  # what srun gives each task of a one-node job (Lightning then requeues on SIGUSR1)
+        os.environ.update(SLURM_NTASKS=str(cfg["devices"]), SLURM_NTASKS_PER_NODE=str(cfg["devices"]),
+                          SLURM_PROCID=os.environ["RANK"], SLURM_LOCALID=os.environ["LOCAL_RANK"], SLURM_NODEID="0",
+                          SLURM_JOB_ID="4242", SLURM_JOB_NAME="pp", SLURM_NODELIST="127.0.0.1")  # fmt: skip
+        os.environ.pop("TORCHELASTIC_RUN_ID")  # Lightning prefers torchelastic's environment to SLURM's
     os.environ.update(cfg.get("attempt_env", {}).get(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"), {}))
     if cfg.get("monitor_pipeline"):
         callbacks.append(lightning_pp.PipelineMonitor(dirpath=out))
@@ -550,6 +623,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "scale": scaler.get_scale() if (scaler := getattr(trainer.precision_plugin, "scaler", None)) else None,
     }
+    if collectives is not None:
+        result["collectives"] = collectives.per_step
     if "plugins" in precision:
         overflow = next(c for c in callbacks if isinstance(c, Overflow))
         result["scales"], result["moved"] = overflow.scales, overflow.moved
