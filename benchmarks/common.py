@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,10 +56,38 @@ def proc_kib(key: str) -> int:
     return int(next(line for line in open("/proc/self/status") if line.startswith(key)).split()[1])
 
 
-def usage() -> tuple[int, float]:
-    """This process's minor page faults and system CPU seconds so far (``getrusage``)."""
+def usage() -> tuple[int, float, float, float]:
+    """This process's minor page faults and system CPU seconds so far (``getrusage``), its seconds inside torch's
+    pipeline schedules' ``step`` so far (``time_schedules``), and the time now."""
     now = resource.getrusage(resource.RUSAGE_SELF)
-    return now.ru_minflt, now.ru_stime
+    return now.ru_minflt, now.ru_stime, _INSIDE[0], time.perf_counter()
+
+
+_INSIDE = [0.0]
+
+
+def time_schedules() -> None:
+    """From now on, count the seconds this process spends inside every torch pipeline schedule's ``step``: a step's
+    time outside it is the strategy's (or the raw script's) own, on that rank."""
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        original = cls.step
+
+        def timed(self: Any, *args: Any, _original: Any = original, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return _original(self, *args, **kwargs)
+            finally:
+                _INSIDE[0] += time.perf_counter() - start
+
+        cls.step = timed  # type: ignore[method-assign]
+
+
+def outside_schedule(marks: list) -> float:
+    """A rank's median seconds per step outside the schedule's ``step``, from its ``usage()`` at each step's end."""
+    steps = zip(marks[WARMUP:], marks[WARMUP + 1 :])
+    return statistics.median((b[3] - a[3]) - (b[2] - a[2]) for a, b in steps)
 
 
 def step_times(ends: list[float]) -> list[float]:

@@ -17,7 +17,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from common import ACCELERATOR, usage
+from common import ACCELERATOR, time_schedules, usage
 from shapes import build, data, loss_of, stage_of
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
@@ -43,6 +43,7 @@ if __name__ == "__main__":
     optimizers = [model.configure_optimizers() for model in models]
     first, last = 0 in indices, n_stages - 1 in indices
     ends, faults = [], []
+    time_schedules()
     for x, y in data(shape, steps):
         x, y = x.to(device), y.to(device)
         for optimizer in optimizers:

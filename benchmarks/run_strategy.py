@@ -30,7 +30,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from common import MODEL, batches, pipeline_trainer, proc_kib, usage
+from common import MODEL, batches, pipeline_trainer, proc_kib, time_schedules, usage
 from shapes import build, data
 from torch.utils.data import DataLoader
 
@@ -156,6 +156,7 @@ if __name__ == "__main__":
     )  # fmt: skip
     open("/proc/self/clear_refs", "w").write("5")  # the peak from here
     before = proc_kib("VmRSS:")
+    time_schedules()
     trainer.fit(net, loader)
     peaks: list = [None] * trainer.world_size
     torch.distributed.all_gather_object(peaks, (proc_kib("VmHWM:") - before) / 1024)

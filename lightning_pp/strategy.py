@@ -42,7 +42,7 @@ from lightning_pp.layout.options import microbatches_for
 from lightning_pp.layout.schedule import check_loaders
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.lifecycle.rendezvous import connect
-from lightning_pp.lifecycle.signals import SignalStop, carry_signals_through_store
+from lightning_pp.lifecycle.signals import SignalStop, at_evaluation_step, carry_signals_through_store
 from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
 from lightning_pp.memory.materialize import check_initializers, check_materialized, empty_weights
 from lightning_pp.runtime.grads import StepGradients, add_gradients, step_gradients, window_starts
@@ -347,6 +347,8 @@ class PipelineStrategy(ParallelStrategy):
         runner: Optional[PipelineRunner] = None,
         weights: Optional[list[float]] = None,
     ) -> Optional[Tensor]:
+        if not train:  # a training step's boundary is at the loop's start (see lifecycle.signals)
+            at_evaluation_step(self.lightning_module.trainer)
         runner = runner or self._prepare(hook, args, kwargs)
         m = self.microbatches_for(batch_size_of(args[0]))
         weights = weights or self._weights_of(args[0], m)
@@ -411,7 +413,8 @@ class PipelineStrategy(ParallelStrategy):
             forecast=self.options.forecast,
         )  # fmt: skip
         p2p = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")  # NCCL P2P
-        self._relay = ReportRelay(layout.last_stage_rank, layout.pipeline_ranks(layout.replica), self._groups.pp, p2p)
+        pipeline = layout.pipeline_ranks(layout.replica)
+        self._relay = ReportRelay(layout.last_stage_rank, pipeline, self._groups.pp, p2p, self._groups.host_pp)
         return self._runner
 
     # ------------------------------------------------------------------ data

@@ -402,7 +402,8 @@ class Pid(Callback):
 
 class Signals(Callback):
     """Sends signals to ranks mid-step, as a scheduler or an operator would: ``signals`` lists ``[rank, batch, name]``
-    (the batch counted over epochs, ``name`` "TERM", "INT" or "USR1"), each sent ``delay`` seconds after that batch
+    (the batch counted over epochs, ``name`` "TERM", "INT" or "USR1"; a fourth element "val": the first validation's
+    batch), each sent ``delay`` seconds after that batch
     began, from a thread of the rank's own process; each batch takes ``pace`` seconds more. Every rank records where
     it stopped (``stopped{rank}.json``)."""
 
@@ -410,15 +411,22 @@ class Signals(Callback):
         self.out, self.signals, self.pace, self.delay = out, signals, pace, delay
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._maybe_signal(trainer, trainer.fit_loop.epoch_loop.total_batch_idx, "train")
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        self._maybe_signal(trainer, batch_idx, "val")
+
+    def _maybe_signal(self, trainer, batch_idx: int, where: str) -> None:
         time.sleep(self.pace)  # steps of a known length: a signal's news reaches every rank within a few
-        for rank, at, name in self.signals:
-            if rank == trainer.global_rank and trainer.fit_loop.epoch_loop.total_batch_idx == at:
+        for rank, at, name, *during in self.signals:
+            if rank == trainer.global_rank and batch_idx == at and (during or ["train"])[0] == where:
                 (self.out / f"signalled{rank}").write_text(str(time.time()))
                 signum = getattr(signal, f"SIG{name}")
                 threading.Timer(self.delay, os.kill, (os.getpid(), signum)).start()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
         where = {"step": trainer.global_step, "batches": trainer.fit_loop.epoch_loop.total_batch_idx,
+                 "val_batches": trainer.fit_loop.epoch_loop.val_loop.batch_progress.current.ready,
                  "exception": type(exception).__name__, "code": getattr(exception, "code", None),
                  "received_sigterm": trainer.received_sigterm, "time": time.time()}  # fmt: skip
         (self.out / f"stopped{trainer.global_rank}.json").write_text(json.dumps(where))

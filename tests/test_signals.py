@@ -28,6 +28,9 @@ CASES = {
                                                          signals=[[0, 5, "TERM"], [1, 5, "TERM"]]),
     "1f1b, 2 replicas x 2 stages, one replica's last stage": dict(schedule="1f1b", devices=4, pp=2,
                                                                    signals=[[3, 5, "TERM"]]),
+    # a long validation inside fit: every rank stops after the same validation batch, not at its end
+    "1f1b, rank 0 during validation": dict(schedule="1f1b", devices=2, n_train=80, n_val=800, pace=0.02,
+                                            signals=[[0, 3, "TERM", "val"]]),
     # as a user starts it: one process, whose Lightning launcher starts the other rank (and watches it)
     "1f1b, launched by Lightning, the last stage": dict(schedule="1f1b", devices=2, signals=[[1, 5, "TERM"]],
                                                          launcher=True),
@@ -46,11 +49,11 @@ def test_a_signal_to_any_rank_stops_every_rank_at_one_step(tmp_path, case):
     assert set(job.codes) == {128 + signum}, job.output[-3000:]  # launched by Lightning: its first process's
     assert not any(process_running(int((job.out / f"pid{r}").read_text())) for r in range(cfg["devices"]))
     where = stops(job, cfg["devices"])
-    assert len({(w["step"], w["batches"]) for w in where}) == 1, where  # every rank after the same step
+    assert len({(w["step"], w["batches"], w["val_batches"]) for w in where}) == 1, where  # after the same step
     assert all(w["exception"] == "SignalStop" and w["received_sigterm"] for w in where), where
-    signalled = min(float((job.out / f"signalled{r}").read_text()) for r, _, _ in cfg["signals"])
+    signalled = min(float((job.out / f"signalled{r}").read_text()) for r, *_ in cfg["signals"])
     assert max(w["time"] for w in where) - signalled < 30
-    assert where[0]["step"] < 40  # stopped, not trained to the end (50 steps)
+    assert where[0]["step"] < 40 and where[0]["val_batches"] < 50  # stopped, not trained or validated to the end
     last = job.out / "ckpts" / "last.ckpt"  # whole: it loads, at the newest save before the stop
     full = consolidate(last, tmp_path / "last_full.ckpt") if last.is_dir() else last
     saved = torch.load(full, weights_only=False, map_location="cpu")

@@ -285,6 +285,58 @@ def test_the_report_relay_carries_small_and_large_reports_in_order(tmp_path):
     assert received[1][2] > 16384  # the large one took the second message
 
 
+def _relay_meanings_rank(rank: int, port: int, out: str, apart: bool) -> None:
+    import os
+    import pickle
+
+    import torch.distributed as dist
+
+    from lightning_pp.runtime import relay as relay_module
+    from lightning_pp.runtime.relay import ReportRelay, StepReport
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # apart: the values over the pipeline's group and the rest over a host group, as under NCCL (both gloo here)
+    host = dist.new_group([0, 1], backend="gloo") if apart else None
+    relay = ReportRelay(1, [0, 1], None, torch.device("cpu"), host)
+    told = []
+    loads = relay_module.pickle.loads
+    relay_module.pickle.loads = lambda data: told.append(1) or loads(data)
+    mean, total = {"reduce_fx": "mean", "batch_size": None}, {"reduce_fx": "sum", "batch_size": 4}
+    steps = [  # (loss, logs): the same meaning twice, a new name, a dtype, batch_size options, no loss, nothing
+        (torch.tensor(0.25), [("a", torch.tensor(1.5), mean)]),
+        (torch.tensor(0.5), [("a", torch.tensor(2.5), mean)]),
+        (torch.tensor(0.5), [("a", torch.tensor(2.5), mean)]),
+        (torch.tensor(0.75).bfloat16(), [("a", torch.tensor(3.0), mean), ("n", torch.tensor(2**40 + 1), total)]),
+        (None, [("v", torch.tensor(1 / 3, dtype=torch.float64), {**mean, "reduce_fx": "max"})]),
+        (None, []),
+        (torch.tensor(0.125), [("a", torch.tensor(7.0), mean)]),
+    ]  # fmt: skip
+    got = []
+    for loss, logs in steps:
+        records = [LogRecord(name, value, options, 1.0) for name, value, options in logs]
+        report = relay.relay(StepReport(loss, records) if rank == 1 else None)
+        loss_got = None if report.loss is None else (report.loss.item(), str(report.loss.dtype))
+        got.append((loss_got, [(r.name, r.value.item(), str(r.value.dtype), r.options) for r in report.logs]))
+    relay.flush()
+    dist.destroy_process_group()
+    with open(f"{out}/{rank}.pkl", "wb") as f:
+        pickle.dump((got, len(told)), f)
+
+
+@pytest.mark.parametrize("apart", [False, True], ids=["one message", "values apart on the device group"])
+def test_the_report_relay_sends_what_the_values_mean_only_when_it_changes(tmp_path, apart):
+    import pickle
+
+    import torch.multiprocessing as mp
+    from conftest import free_port
+
+    mp.start_processes(_relay_meanings_rank, args=(free_port(), str(tmp_path), apart), nprocs=2, start_method="fork")
+    (sent, _), (received, unpickled) = (pickle.loads((tmp_path / f"{r}.pkl").read_bytes()) for r in (1, 0))
+    assert received == sent  # every value exact in its own dtype (2**40 + 1 as an int64, 1/3 as a float64)
+    assert unpickled == 5  # the first report, a new name, new dtypes and options, no loss, nothing: not the repeats
+
+
 def test_batches_in_containers_torchs_pytree_does_not_know_split_once_their_types_are_known():
     # Hugging Face's data collators return a BatchEncoding (a UserDict); a dataclass is a common batch too: to
     # torch's pytree each was one leaf, and the pipeline refused the batch as holding no tensor

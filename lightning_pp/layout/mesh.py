@@ -149,6 +149,7 @@ class Groups:
     pp: dist.ProcessGroup | None  # this rank's pipeline (None: the whole world)
     dp: dist.ProcessGroup | None  # this stage and shard across replicas (None: no replicas)
     mesh: Any = None  # the (data, pipeline, tensor) DeviceMesh over the world, named by MESH_DIMS
+    host_pp: dist.ProcessGroup | None = None  # this rank's pipeline over gloo, where ``pp`` is NCCL
 
 
 def make_groups(layout: Layout, device_type: str) -> Groups:
@@ -156,10 +157,25 @@ def make_groups(layout: Layout, device_type: str) -> Groups:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, (layout.dp, layout.pp, layout.tp), mesh_dim_names=MESH_DIMS)
+    host = _host_pipelines(layout) if device_type == "cuda" else None
     if layout.dp == 1 and layout.tp == 1:
-        return Groups(pp=None, dp=None, mesh=mesh)
+        return Groups(pp=None, dp=None, mesh=mesh, host_pp=host)
     dp = mesh.get_group("data_parallel") if layout.dp > 1 else None
-    return Groups(pp=mesh.get_group("pipeline_parallel"), dp=dp, mesh=mesh)
+    return Groups(pp=mesh.get_group("pipeline_parallel"), dp=dp, mesh=mesh, host_pp=host)
+
+
+def _host_pipelines(layout: Layout) -> dist.ProcessGroup:
+    """This rank's pipeline over gloo, for what its ranks hand each other on the host (the report relay's lengths
+    and names) without a device synchronisation; every rank makes every pipeline's, in one order."""
+    mine = None
+    for replica in range(layout.dp):
+        for shard in range(layout.tp):
+            ranks = layout.pipeline_ranks(replica, shard)
+            group = dist.new_group(ranks, backend="gloo")
+            if layout.rank in ranks:
+                mine = group
+    assert mine is not None
+    return mine
 
 
 def batch_fingerprint(batch: Any) -> torch.Tensor:

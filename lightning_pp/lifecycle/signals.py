@@ -7,9 +7,10 @@ process group's whole timeout. Under the strategy the news travels through the j
 
 1. the handler notes the signal; a thread of the rank posts it in the store (the first request of a round wins);
 2. every rank's thread looks for a request (one store read each ``_WATCH_S``) and, on seeing one, posts how many
-   training steps its rank has begun; from then on the rank begins no step of its own accord;
-3. at the start of each training step a rank that knows of a request reads every rank's count (waiting only for
-   peers' threads, never for a peer's step) and runs on until it has begun as many steps as the furthest rank.
+   steps (training, validation, test or predict) its rank has begun; from then on the rank begins no step of its
+   own accord;
+3. at the start of each step a rank that knows of a request reads every rank's count (waiting only for peers'
+   threads, never for a peer's step) and runs on until it has begun as many steps as the furthest rank.
    There every rank stops together (SIGTERM, SIGINT), or, at the next start of an accumulation window, saves
    SLURM's requeue checkpoint together and goes on.
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
@@ -33,6 +35,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
 from lightning.pytorch.trainer.connectors.signal_connector import _SignalConnector
+from lightning.pytorch.trainer.states import TrainerStatus
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_prefixed_message, rank_zero_info
 from torch.distributed.distributed_c10d import _get_default_store
@@ -97,18 +100,26 @@ class StoreSignals(_SignalConnector):
         self.trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = self._at_step_start
 
     def _at_step_start(self) -> None:
-        assert self._watcher is not None
         # where a requeue checkpoint resumes exactly: no gradient of an accumulation window left behind
         done = self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
-        request = self._watcher.before_step(done % self.trainer.accumulate_grad_batches == 0)
+        self._at_boundary(requeue_here=done % self.trainer.accumulate_grad_batches == 0)
+
+    def at_evaluation_step(self) -> None:
+        """A validation, test or predict step begins: a stop acts here too (within a long validation, or a
+        ``trainer.validate`` run); a requeue checkpoint waits for training."""
+        self._at_boundary(requeue_here=False)
+
+    def _at_boundary(self, requeue_here: bool) -> None:
+        assert self._watcher is not None
+        request = self._watcher.before_step(requeue_here)
         if request is None:
             return
         if request.kind == _REQUEUE:
             self._slurm_sigusr_handler_fn(request.signum, None)  # type: ignore[arg-type]
             return
         rank_zero_info(
-            f"Rank {request.rank} received {signal.Signals(request.signum).name}: every rank stops after"
-            f" {self._watcher.begun} training steps (exit status {128 + request.signum})."
+            f"Rank {request.rank} received {signal.Signals(request.signum).name}: every rank stops after the same"
+            f" {self._watcher.begun} steps of this run (exit status {128 + request.signum})."
         )
         self.received_sigterm = True
         raise SignalStop(request.signum, request.rank)
@@ -117,7 +128,8 @@ class StoreSignals(_SignalConnector):
         super().teardown()
         if self._watcher is not None:
             self._watcher.close()
-            if self._watcher.stop_left():  # no step began after it: the run ended as planned, and says so
+            ended = self.trainer.state.status != TrainerStatus.INTERRUPTED
+            if ended and self._watcher.stop_left():  # no step began after it: the run ended as planned, and says so
                 self.received_sigterm = True
                 message = "A stop signal came as the run ended: it completed."
                 log.warning(rank_prefixed_message(message, self.trainer.global_rank))
@@ -209,9 +221,9 @@ class _Watcher:
         self._thread.join(_WATCH_S)
 
     # ---------------------------------------------------------------- the training loop's side
-    def before_step(self, window_starts: bool) -> _Request | None:
+    def before_step(self, requeue_here: bool) -> _Request | None:
         """None to begin the next step; the round's request where every rank stops or saves together (a requeue
-        checkpoint at the start of an accumulation window: the ranks agree on it, being at the same step)."""
+        checkpoint where ``requeue_here``: the ranks agree on it, being at the same step)."""
         with self._lock:
             request = self._request
             if request is None:
@@ -219,9 +231,11 @@ class _Watcher:
                 return None
         if self._target is None:
             self._target = max(self._counts())
-        if self.begun < self._target or (request.kind == _REQUEUE and not window_starts):
+            self.store.add(f"{self.keys}/{self._round}/read", 1)
+        if self.begun < self._target or (request.kind == _REQUEUE and not requeue_here):
             self.begun += 1
             return None
+        self._every_rank_read()
         with self._lock:
             self._round += 1
             self._request, self._target = None, None
@@ -229,6 +243,27 @@ class _Watcher:
                 self.begun += 1  # the step begins after the requeue checkpoint
         self._wake.set()
         return request
+
+    def _every_rank_read(self) -> None:
+        """No rank acts before every rank has read the counts (each does at its first step boundary after its thread
+        posted, which a rank behind reaches without its peers), and rank 0, the store's host, acts (and exits) last
+        of all: no peer's store call finds the store gone."""
+        read, done = f"{self.keys}/{self._round}/read", f"{self.keys}/{self._round}/done"
+        self._wait_for(read)
+        self.store.add(done, 1)
+        if self.rank == 0:
+            self._wait_for(done)
+
+    def _wait_for(self, key: str) -> None:
+        deadline = time.monotonic() + _COUNTS_WAIT.total_seconds()
+        while self.store.add(key, 0) < self.world_size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Rank {self.rank} learnt of a signal, but not every rank reached a step boundary within"
+                    f" {_COUNTS_WAIT.total_seconds():.0f} s to agree where to stop: a rank stopped or hangs. Look at"
+                    " the other ranks' logs."
+                )
+            time.sleep(0.01)
 
     def _counts(self) -> list[int]:
         keys = [f"{self.keys}/{self._round}/begun/{r}" for r in range(self.world_size)]
@@ -242,6 +277,12 @@ class _Watcher:
                 " logs; a launcher with restarts (torchrun --max-restarts) starts the job again."
             ) from None
         return [int(count) for count in self.store.multi_get(keys)]
+
+
+def at_evaluation_step(trainer: Any) -> None:
+    """Called as each validation, test or predict step begins (see ``StoreSignals.at_evaluation_step``)."""
+    if isinstance(trainer._signal_connector, StoreSignals):
+        trainer._signal_connector.at_evaluation_step()
 
 
 def carry_signals_through_store(trainer: Any) -> None:

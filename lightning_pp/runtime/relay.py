@@ -23,7 +23,7 @@ from lightning_pp.split.microbatch import merge_microbatches
 from lightning_pp.split.stage import get_path
 
 _FIRST = 16384  # bytes of a report's first message: a step's loss and logs fit (a few hundred bytes each)
-_LENGTH = 8  # bytes at its start holding the pickled report's length
+_LENGTH = 8  # bytes of each length at its start: the values' and the meaning's
 _LOG_SIGNATURE = inspect.signature(LightningModule.log)
 _REDUCTIONS: dict[Any, str] = {
     "mean": "mean", "avg": "mean", torch.mean: "mean",
@@ -141,69 +141,131 @@ def combine(records: list[LogRecord]) -> list[LogRecord]:
     return combined
 
 
+@dataclass(frozen=True)
+class _Meaning:
+    """What a report's values are: it travels with the first report and again only when it changes (a new name, a
+    batch_size that differs at an epoch's last batch, metric states, which travel whole each time they exist)."""
+
+    loss: torch.dtype | None
+    records: tuple[tuple[str, dict[str, Any], float, str | None, torch.dtype], ...]
+    metric_states: dict[str, dict[str, Any]]
+
+    @staticmethod
+    def of(report: StepReport) -> _Meaning:
+        records = tuple((r.name, r.options, r.weight, r.metric, r.value.dtype) for r in report.logs)
+        return _Meaning(None if report.loss is None else report.loss.dtype, records, report.metric_states)
+
+    def report(self, values: torch.Tensor) -> StepReport:
+        """The report whose values (float64, on the device they came on) this meaning gives."""
+        first = 0 if self.loss is None else 1
+        loss = None if self.loss is None else values[0].to(self.loss)
+        logs = [LogRecord(name, values[first + i].to(dtype), options, weight, metric)
+                for i, (name, options, weight, metric, dtype) in enumerate(self.records)]  # fmt: skip
+        return StepReport(loss, logs, self.metric_states)
+
+
 class ReportRelay:
-    """Hands the last stage's report to the other ranks of its pipeline without making it wait.
+    """Hands the last stage's report to the other ranks of its pipeline without making it wait, or read its device.
 
     A broadcast would hold the last stage until the first stage finished its last backward; under
     1F1B that puts the last stage's optimizer step on the critical path of every step (about 3% of
     step time here). The last stage posts sends instead and goes on; the others receive what is
-    usually there already. Sends of one step complete before the next step's are posted. A report goes as one
-    message of ``_FIRST`` bytes that starts with its length (a size sent ahead cost the receiver a second receive,
-    0.4 ms a step on a CPU rank), and only a larger report sends the rest after it.
+    usually there already. Sends of one step complete before the next step's are posted.
+
+    A report is its values (the loss and each logged value, one float64 each: exact for every float and for
+    integers below 2**53) and their meaning (names, options, dtypes: pickled, sent only when it changes). On the
+    CPU both go as one message of ``_FIRST`` bytes that starts with their lengths (a size sent ahead cost the
+    receiver a second receive, 0.4 ms a step on a CPU rank), a larger one sends the rest after it. Where the
+    pipeline's group is NCCL (``host_group`` given, gloo), the values stay on the device, sent as one tensor over
+    the pipeline's group, and only the lengths and a changed meaning cross the host: neither side reads a device
+    value to the host (a synchronisation) in a step that logs nothing new.
     """
 
     _TAG = 7351  # apart from the schedule's P2P traffic on the same group
 
-    def __init__(self, src: int, ranks: list[int], group: dist.ProcessGroup | None, device: torch.device) -> None:
+    def __init__(
+        self,
+        src: int,
+        ranks: list[int],
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        host_group: dist.ProcessGroup | None = None,
+    ) -> None:
         self.src = src
         self.others = [r for r in ranks if r != src]
         self.group = group
         self.device = device
+        self.host_group = host_group
         self._pending: list[Any] = []
         self._buffers: tuple[torch.Tensor, ...] = ()
+        self._meaning: _Meaning | None = None  # the last one sent, or received
 
     def relay(self, report: StepReport | None) -> StepReport:
         """Every rank of the pipeline leaves with the last stage's report (``src`` is a global rank)."""
         if dist.get_rank() == self.src:
             assert report is not None
             self.flush()
-            payload = pickle.dumps(_on_cpu(report))
-            first = bytearray(_FIRST)
-            first[:_LENGTH] = len(payload).to_bytes(_LENGTH, "little")
-            first[_LENGTH : _LENGTH + len(payload)] = payload[: _FIRST - _LENGTH]
-            self._buffers = tuple(
-                torch.frombuffer(part, dtype=torch.uint8).to(self.device)
-                for part in (first, bytearray(payload[_FIRST - _LENGTH :]))
-                if part
-            )
-            for dst in self.others:
-                for buffer in self._buffers:
-                    self._pending.append(dist.isend(buffer, dst, group=self.group, tag=self._TAG))
+            self._send(report)
             return report
-        first = torch.empty(_FIRST, dtype=torch.uint8, device=self.device)
-        dist.recv(first, self.src, group=self.group, tag=self._TAG)
-        head = first.cpu().numpy().tobytes()
-        length = int.from_bytes(head[:_LENGTH], "little")
-        payload = head[_LENGTH : _LENGTH + length]
-        if length > _FIRST - _LENGTH:  # a report larger than the first message (many logs, metric states)
-            rest = torch.empty(length - (_FIRST - _LENGTH), dtype=torch.uint8, device=self.device)
-            dist.recv(rest, self.src, group=self.group, tag=self._TAG)
+        return self._receive()
+
+    def _send(self, report: StepReport) -> None:
+        meaning = _Meaning.of(report)
+        told = b"" if not meaning.metric_states and meaning == self._meaning else pickle.dumps(meaning)
+        self._meaning = meaning
+        parts = ([] if report.loss is None else [report.loss]) + [r.value for r in report.logs]
+        values = torch.stack([v.detach().reshape(()).to(self.device, torch.float64) for v in parts]) if parts else None
+        apart = self.host_group is not None and values is not None
+        carried = b"" if values is None or apart else values.numpy().tobytes()
+        head = len(carried).to_bytes(_LENGTH, "little") + len(told).to_bytes(_LENGTH, "little")
+        payload = head + carried + told
+        first = bytearray(_FIRST)
+        first[: min(len(payload), _FIRST)] = payload[:_FIRST]
+        host = torch.device("cpu") if self.host_group is not None else self.device
+        buffers = [
+            (torch.frombuffer(part, dtype=torch.uint8).to(host), self.host_group or self.group)
+            for part in (first, bytearray(payload[_FIRST:]))
+            if part
+        ]
+        if apart:
+            buffers.append((values, self.group))
+        self._buffers = tuple(buffer for buffer, _ in buffers)
+        for dst in self.others:
+            for buffer, group in buffers:
+                self._pending.append(dist.isend(buffer, dst, group=group, tag=self._TAG))
+
+    def _receive(self) -> StepReport:
+        host = torch.device("cpu") if self.host_group is not None else self.device
+        group = self.host_group or self.group
+        first = torch.empty(_FIRST, dtype=torch.uint8, device=host)
+        dist.recv(first, self.src, group=group, tag=self._TAG)
+        payload = first.cpu().numpy().tobytes()
+        carried = int.from_bytes(payload[:_LENGTH], "little")
+        told = int.from_bytes(payload[_LENGTH : 2 * _LENGTH], "little")
+        length = 2 * _LENGTH + carried + told
+        if length > _FIRST:  # a report larger than the first message (many logs, metric states)
+            rest = torch.empty(length - _FIRST, dtype=torch.uint8, device=host)
+            dist.recv(rest, self.src, group=group, tag=self._TAG)
             payload += rest.cpu().numpy().tobytes()
-        return pickle.loads(payload)
+        if told:
+            self._meaning = pickle.loads(payload[2 * _LENGTH + carried : length])
+        meaning = self._meaning
+        assert meaning is not None
+        n = len(meaning.records) + (meaning.loss is not None)
+        if not n:
+            values = torch.empty(0, dtype=torch.float64)
+        elif carried:
+            values = torch.frombuffer(bytearray(payload[2 * _LENGTH : 2 * _LENGTH + carried]), dtype=torch.float64)
+        else:  # on the device, over the pipeline's own group: nothing read to the host
+            values = torch.empty(n, dtype=torch.float64, device=self.device)
+            dist.recv(values, self.src, group=self.group, tag=self._TAG)
+        return meaning.report(values)
 
     def flush(self) -> None:
         """Wait for the sends posted so far (before posting more, and before the process group goes)."""
         for work in self._pending:
             work.wait()
         self._pending, self._buffers = [], ()
-
-
-def _on_cpu(report: StepReport) -> StepReport:
-    return StepReport(
-        None if report.loss is None else report.loss.detach().cpu(),
-        [LogRecord(r.name, r.value.cpu(), r.options, r.weight, r.metric) for r in report.logs],
-        report.metric_states,
-    )
 
 
 def replay(module: LightningModule, records: list[LogRecord], device: torch.device) -> None:
