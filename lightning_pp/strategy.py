@@ -546,7 +546,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, SignalStop):  # every rank stopped after the same step: the save in flight lands
-            self.on_train_end()
+            self._saves.complete(self.global_rank, self.barrier, end=True)
 
     @override
     def teardown(self) -> None:

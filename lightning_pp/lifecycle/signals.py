@@ -196,14 +196,15 @@ class _Watcher:
                 if known or round_ == posted:
                     continue
                 key = f"{self.keys}/{round_}/request"
-                if self._noted:
+                if self._noted:  # post this rank's own (what it returns is the round's request, whoever's won)
                     mine = self._noted[0]
-                    won = _Request.decode(self.store.compare_set(key, "", mine.encode()))
-                    if won == mine or won.kind == mine.kind:  # posted, or a peer's request already asks the same
+                    request = _Request.decode(self.store.compare_set(key, "", mine.encode()))
+                    if request == mine or request.kind == mine.kind:  # posted, or a peer's asks the same
                         self._noted.pop(0)
-                if not self.store.check([key]):
+                elif self.store.check([key]):
+                    request = _Request.decode(self.store.get(key))
+                else:
                     continue
-                request = _Request.decode(self.store.get(key))
                 with self._lock:
                     if self._round != round_:
                         continue

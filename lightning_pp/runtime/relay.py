@@ -196,6 +196,8 @@ class ReportRelay:
         self.group = group
         self.device = device
         self.host_group = host_group
+        # where the lengths and the meaning travel: the host's group under NCCL, else the values' own
+        self._head = (torch.device("cpu"), host_group) if host_group is not None else (device, group)
         self._pending: list[Any] = []
         self._buffers: tuple[torch.Tensor, ...] = ()
         self._meaning: _Meaning | None = None  # the last one sent, or received
@@ -221,9 +223,9 @@ class ReportRelay:
         payload = head + carried + told
         first = bytearray(_FIRST)
         first[: min(len(payload), _FIRST)] = payload[:_FIRST]
-        host = torch.device("cpu") if self.host_group is not None else self.device
+        host, head_group = self._head
         buffers = [
-            (torch.frombuffer(part, dtype=torch.uint8).to(host), self.host_group or self.group)
+            (torch.frombuffer(part, dtype=torch.uint8).to(host), head_group)
             for part in (first, bytearray(payload[_FIRST:]))
             if part
         ]
@@ -235,8 +237,7 @@ class ReportRelay:
                 self._pending.append(dist.isend(buffer, dst, group=group, tag=self._TAG))
 
     def _receive(self) -> StepReport:
-        host = torch.device("cpu") if self.host_group is not None else self.device
-        group = self.host_group or self.group
+        host, group = self._head
         first = torch.empty(_FIRST, dtype=torch.uint8, device=host)
         dist.recv(first, self.src, group=group, tag=self._TAG)
         payload = first.cpu().numpy().tobytes()
