@@ -28,10 +28,11 @@ from lightning_pp.errors import PipelineConfigError
 __all__ = ["consolidate", "export_hf", "export_peft"]
 
 
-def consolidate(src: Path, dst: Path) -> Path:
+def consolidate(src: Path, dst: Path, weights_only: bool | None = None) -> Path:
+    """``src`` checked and read without running code it carries, unless ``weights_only=False`` (``--trust``)."""
     if not is_sharded(src):
         raise SystemExit(f"{src} is not a sharded lightning-pp checkpoint (a directory with a meta.pt).")
-    torch.save(load_sharded(src), dst)
+    torch.save(load_sharded(src, weights_only), dst)
     return dst
 
 
@@ -50,16 +51,20 @@ def main() -> None:
     parser.add_argument("--format", choices=("ckpt", "hf", "peft"), default="ckpt")
     parser.add_argument("--max-shard-size", type=_size, default="5GB", help="per safetensors file (hf), e.g. 500MB")
     parser.add_argument("--adapter", default="default", help="the peft adapter to merge (hf) or write (peft)")
+    parser.add_argument(
+        "--trust", action="store_true", help="SRC is trusted: load objects of its own (torch.load weights_only=False)"
+    )
     args = parser.parse_args()
+    weights_only = False if args.trust else None
     try:
         if args.format == "hf":
-            left_out = export_hf(args.src, args.dst, args.max_shard_size, args.adapter)
+            left_out = export_hf(args.src, args.dst, args.max_shard_size, args.adapter, weights_only)
             if left_out:
                 print(f"left out (not part of the Hugging Face model): {', '.join(left_out)}")
         elif args.format == "peft":
-            print(f"{len(export_peft(args.src, args.dst, args.adapter))} adapter tensors")
+            print(f"{len(export_peft(args.src, args.dst, args.adapter, weights_only))} adapter tensors")
         else:
-            consolidate(args.src, args.dst)
+            consolidate(args.src, args.dst, weights_only)
     except PipelineConfigError as error:
         raise SystemExit(f"consolidate --format {args.format}: {error}") from None
     print(f"wrote {args.dst}")

@@ -601,7 +601,10 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         page_in_kernels(cfg)
     usage = Usage()
     trainer.callbacks.append(usage)
-    trainer.fit(model, train, val, ckpt_path=cfg.get("resume"))
+    if cfg.get("validate_from"):  # validation alone, from a checkpoint
+        trainer.validate(model, val, ckpt_path=cfg["validate_from"], verbose=False, weights_only=cfg.get("weights_only"))
+        return {}
+    trainer.fit(model, train, val, ckpt_path=cfg.get("resume"), weights_only=cfg.get("weights_only"))
     trainer.save_checkpoint(out / "final.ckpt")  # a directory when state_dict_type="sharded"
     result = {
         "rank": trainer.global_rank,

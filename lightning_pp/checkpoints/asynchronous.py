@@ -24,6 +24,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from lightning_pp.checkpoints.formats import META_FILE, is_complete, save_sharded, split_sharded
+from lightning_pp.checkpoints.integrity import RecordingWriter, write_records
 from lightning_pp.checkpoints.swap import begin_save, fault_point, finish_save, swapped_in
 from lightning_pp.compat import stager_kept_between_saves
 
@@ -35,6 +36,7 @@ class _InFlight:
     path: Path
     partial: Path
     write: Future | None  # None on a rank that writes nothing (a replica other than the first)
+    writer: RecordingWriter | None
 
 
 class ShardedSaves:
@@ -77,15 +79,16 @@ class ShardedSaves:
             options = StagingOptions(torch.cuda.is_available(), False, False, False)
             self._stager = stager_kept_between_saves(DefaultStager(options))
         partial = begin_save(path, rank, barrier, is_complete)
-        write = None
+        write, writer = None, None
         if writes:
             shards, rest = split_sharded(checkpoint)
-            write = async_save(shards, checkpoint_id=partial, process_group=self._group, async_stager=self._stager)
+            writer = RecordingWriter(partial)  # each rank's records taken in the writer's thread
+            write = async_save(shards, storage_writer=writer, process_group=self._group, async_stager=self._stager)
             if rank == 0:  # the directory may not exist yet: the writer makes it in its thread
                 partial.mkdir(parents=True, exist_ok=True)
                 torch.save(rest, partial / _STAGED_META)
             fault_point(rank, "staged")
-        self._in_flight = _InFlight(path, partial, write)
+        self._in_flight = _InFlight(path, partial, write, writer)
 
     def complete(self, rank: int, barrier: Callable[[str], None], end: bool = False) -> None:
         """The save in flight, if any, lands (every rank, in the main thread); at the ``end`` of fit the staging
@@ -96,6 +99,8 @@ class ShardedSaves:
                 flight.write.result()
 
             def move_meta() -> None:
+                assert flight.writer is not None and flight.writer.records is not None  # rank 0 coordinates
+                write_records(flight.partial, flight.writer.records, flight.partial / _STAGED_META)
                 os.replace(flight.partial / _STAGED_META, flight.partial / META_FILE)
 
             finish_save(flight.partial, flight.path, rank, barrier, last=move_meta)

@@ -40,8 +40,10 @@ from lightning_pp.checkpoints.export_peft import (
 from lightning_pp.checkpoints.formats import META_FILE, is_sharded
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, check_base
 from lightning_pp.checkpoints.hf_conversion import model_of_directory
+from lightning_pp.checkpoints.integrity import check_checkpoint
 from lightning_pp.checkpoints.pretrained import Pretrained, WeightMap, open_pretrained, read_keys
 from lightning_pp.checkpoints.restore import placeholders
+from lightning_pp.checkpoints.trust import load_file, read_dcp
 from lightning_pp.errors import PipelineConfigError
 
 EXPORT_KEY = "lightning_pp_export"  # the checkpoint entry the exports read
@@ -80,13 +82,15 @@ def export_names(
     return found
 
 
-def export_hf(src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30, adapter: str = "default") -> list[str]:
+def export_hf(
+    src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30, adapter: str = "default", weights_only: bool | None = None
+) -> list[str]:
     """``src`` (a sharded directory or a full ``.ckpt``) as a Hugging Face model directory ``dst``, ``adapter``'s
-    LoRA merged into the base weights.
+    LoRA merged into the base weights. ``weights_only=False`` trusts objects the checkpoint carries.
 
     Returns the names left out: untrained tensors outside the ``transformers`` model a LightningModule holds.
     """
-    export, state, read = _open(src)
+    export, state, read = _open(src, weights_only)
     sites = recorded_sites(export)
     merges = _merges(state, sites, adapter, export.get("wrapped", {}))
     names, left_out = _hf_names(list(state), export, sites, adapter)
@@ -108,12 +112,12 @@ def export_hf(src: Path, dst: Path, max_shard_bytes: int = 5 * 2**30, adapter: s
     return left_out
 
 
-def export_peft(src: Path, dst: Path, adapter: str = "default") -> list[str]:
+def export_peft(src: Path, dst: Path, adapter: str = "default", weights_only: bool | None = None) -> list[str]:
     """``adapter`` of ``src`` as a peft adapter directory (``adapter_config.json``, ``adapter_model.safetensors``)
     that ``PeftModel.from_pretrained(base, dst)`` loads. Returns the keys written."""
     from safetensors.torch import save_file
 
-    export, state, read = _open(src)
+    export, state, read = _open(src, weights_only)
     site = _one_site(recorded_sites(export), adapter, src)
     keys = peft_tensors(state, site, adapter)
     if not keys:
@@ -126,12 +130,14 @@ def export_peft(src: Path, dst: Path, adapter: str = "default") -> list[str]:
     return sorted(keys.values())
 
 
-def _open(src: Path) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], Reader]:
-    """A checkpoint's export record, its weights (placeholders for a sharded one) and how to read them; tensors the
-    checkpoint left out that came from ``init_weights`` (a frozen base) are read from there."""
-    sharded = is_sharded(src)
-    meta = torch.load(src / META_FILE if sharded else src, mmap=not sharded, map_location="cpu", weights_only=False)
-    state = dict(placeholders(src)[0] if sharded else meta["state_dict"])
+def _open(src: Path, weights_only: bool | None) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], Reader]:
+    """A checkpoint's export record, its weights (placeholders for a sharded one) and how to read them, checked
+    first and read without running code it carries; tensors the checkpoint left out that came from
+    ``init_weights`` (a frozen base) are read from there."""
+    check_checkpoint(src)
+    sharded, trust = is_sharded(src), weights_only is False
+    meta = load_file(src / META_FILE if sharded else src, weights_only, mmap=not sharded)
+    state = dict(placeholders(src, trust)[0] if sharded else meta["state_dict"])
     export = meta.get(EXPORT_KEY, {"keys": {}})
     own = set(state)
     base, pretrained = _frozen_base(export, meta.get(FROZEN_KEY), src)
@@ -141,7 +147,7 @@ def _open(src: Path) -> tuple[Mapping[str, Any], dict[str, torch.Tensor], Reader
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
         mine = [n for n in names if n in own]
-        tensors = _read(src, {n: state[n] for n in mine}) if sharded else {n: state[n] for n in mine}
+        tensors = _read(src, {n: state[n] for n in mine}, trust) if sharded else {n: state[n] for n in mine}
         wanted = {base[n]: torch.empty_like(state[n], device="cpu") for n in names if n not in own}
         if wanted:
             read_keys(pretrained, wanted)
@@ -246,13 +252,10 @@ def _files(names: Mapping[str, str], state: Mapping[str, torch.Tensor], limit: i
     return files
 
 
-def _read(src: Path, wanted: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _read(src: Path, wanted: Mapping[str, torch.Tensor], trust: bool) -> dict[str, torch.Tensor]:
     """These tensors of a sharded checkpoint, whole (DCP joins the pieces every rank wrote)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-
     request = {"model": {n: torch.empty_like(t, device="cpu") for n, t in wanted.items()}}
-    dcp.load(request, storage_reader=FileSystemReader(src), no_dist=True)
+    read_dcp(request, src, False if trust else None)
     return request["model"]
 
 

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lightning_pp.checkpoints.integrity import META_FILE, RecordingWriter, check_checkpoint, write_records
 from lightning_pp.checkpoints.swap import fault_point
+from lightning_pp.checkpoints.trust import load_file, read_dcp
 from lightning_pp.layout.dtensors import full_value
 
 
@@ -132,8 +134,6 @@ def gather_optimizer_state(
 
 
 # ---------------------------------------------------------------------------- sharded checkpoints
-META_FILE = "meta.pt"
-
 
 def optimizer_state_by_name(optimizer: torch.optim.Optimizer, layout: OptimizerLayout) -> dict[str, Any]:
     """This rank's optimizer state keyed by parameter name, and the one-process groups by name."""
@@ -163,14 +163,17 @@ def one_process_optimizer_state(by_name: dict[str, Any]) -> dict[str, Any]:
 def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, group: dist.ProcessGroup | None) -> None:
     """Every rank of ``group`` (one pipeline replica, or the world when stages are sharded) writes its weights
     and optimizer state into ``path`` (a directory); DTensors are stored as their pieces with global offsets.
-    Global rank 0 then writes the rest of the checkpoint, whose file marks the directory complete."""
+    Global rank 0 then writes the rest of the checkpoint and every file's size and checksum."""
     import torch.distributed.checkpoint as dcp
 
     shards, rest = split_sharded(checkpoint)
-    dcp.save(shards, checkpoint_id=path, process_group=group)
+    writer = RecordingWriter(path)
+    dcp.save(shards, storage_writer=writer, process_group=group)
     fault_point(rank, "torn")
     if rank == 0:
         torch.save(rest, path / META_FILE)
+        assert writer.records is not None  # global rank 0 is the writers' coordinator
+        write_records(path, writer.records, path / META_FILE)
 
 
 def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -192,15 +195,13 @@ def is_complete(path: Path) -> bool:
     return is_sharded(path) if path.is_dir() else zipfile.is_zipfile(path)
 
 
-def load_sharded(path: Path) -> dict[str, Any]:
-    """A sharded checkpoint as the dict one process would have saved (read whole, without collectives)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
+def load_sharded(path: Path, weights_only: bool | None = None) -> dict[str, Any]:
+    """A sharded checkpoint as the dict one process would have saved (read whole, without collectives), checked
+    and read without running code it carries (``weights_only``: see ``checkpoints.trust``)."""
+    check_checkpoint(path)
+    checkpoint = load_file(path / META_FILE, weights_only)
     shards: dict[str, Any] = {}
-    _load_state_dict(shards, storage_reader=FileSystemReader(path), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    checkpoint = torch.load(path / META_FILE, weights_only=False)
+    read_dcp(shards, path, weights_only, whole=True)
     groups = checkpoint.pop("optimizer_param_groups")
     checkpoint["state_dict"] = shards["model"]
     optimizers = shards.get("optimizers", {})

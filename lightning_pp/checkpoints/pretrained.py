@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_pp.checkpoints.adapters import adapter_sites, site_of
 from lightning_pp.checkpoints.formats import META_FILE
+from lightning_pp.checkpoints.trust import SafeReader, read_dcp
 from lightning_pp.checkpoints.hf_conversion import Conversion, convert_keys, read_converted
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor, shard_like
@@ -228,12 +229,11 @@ def _read_plain(pretrained: Pretrained, wanted: Mapping[str, torch.Tensor]) -> N
 
 def _dcp_load(pretrained: Pretrained, wanted: dict[str, torch.Tensor]) -> None:
     """``torch.distributed.checkpoint`` reads the requested keys only (slices of them for DTensors), casting on copy."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader, HuggingFaceStorageReader
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
 
     with _reader_path(pretrained) as where:
-        reader = FileSystemReader(where) if pretrained.format == "dcp" else HuggingFaceStorageReader(str(where))
-        dcp.load({pretrained.strip + k: t for k, t in wanted.items()}, storage_reader=reader, no_dist=True)
+        reader = SafeReader(where) if pretrained.format == "dcp" else HuggingFaceStorageReader(str(where))
+        read_dcp({pretrained.strip + k: t for k, t in wanted.items()}, pretrained.path, None, reader=reader)
 
 
 @contextlib.contextmanager
@@ -262,10 +262,9 @@ def _safetensors_shapes(files: list[Path]) -> dict[str, tuple[tuple[int, ...], t
 
 
 def _open_dcp(path: Path) -> Pretrained:
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+    metadata = SafeReader(path).read_metadata().state_dict_metadata
     tensors = {
         k: (tuple(m.size), m.properties.dtype) for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)
     }

@@ -29,7 +29,9 @@ from lightning_pp.checkpoints.formats import (
     one_process_optimizer_state,
 )
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, check_base
+from lightning_pp.checkpoints.integrity import check_checkpoint
 from lightning_pp.checkpoints.swap import recover
+from lightning_pp.checkpoints.trust import SafeReader, load_file, read_dcp
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor, shard_like
 
@@ -48,6 +50,7 @@ class PendingRestore:
     # the frozen base the checkpoint left out (``checkpoints.frozen``): read from init_weights again
     left_out: frozenset[str] = frozenset()
     choice: dict[str, Any] | None = None  # what schedule="auto" chose for the run that saved it
+    weights_only: bool | None = None  # as the user passed it: False trusts the checkpoint's objects
 
 
 def open_checkpoint(
@@ -55,17 +58,20 @@ def open_checkpoint(
 ) -> tuple[dict[str, Any], PendingRestore]:
     """The checkpoint dict Lightning restores loops, callbacks and schedulers from; tensors stay on disk.
 
-    A path an interrupted save left empty gives the newest complete checkpoint that save left beside it. A
-    checkpoint that left its frozen base out is refused unless ``init_weights`` holds that base as it was.
+    A path an interrupted save left empty gives the newest complete checkpoint that save left beside it. A damaged
+    checkpoint is refused on every rank, and nothing is read that would run code unless ``weights_only`` is False
+    (``checkpoints.integrity``, ``checkpoints.trust``). A checkpoint that left its frozen base out is refused
+    unless ``init_weights`` holds that base as it was.
     """
     path, recovered = recover(path, is_complete)
     if recovered:
         rank_zero_warn(recovered)
+    check_checkpoint(path)
     names: list[list[str]] | None = None
     if is_sharded(path):
-        checkpoint = torch.load(path / META_FILE, weights_only=False)
+        checkpoint = load_file(path / META_FILE, weights_only)
         groups = checkpoint.pop("optimizer_param_groups")
-        model, optimizers = placeholders(path)
+        model, optimizers = placeholders(path, trust=weights_only is False)
         checkpoint["state_dict"] = model
         checkpoint["optimizer_states"] = [
             one_process_optimizer_state({"state": optimizers.get(str(i), {}), "param_groups": g})
@@ -73,18 +79,21 @@ def open_checkpoint(
         ]
         names = [[n for group in g for n in group["params"]] for g in groups]
     else:
-        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
+        checkpoint = load_file(path, weights_only, mmap=True)
     left_out = check_base(checkpoint.get(FROZEN_KEY), init_weights, path)
     choice = checkpoint.get("pipeline_choice")
-    return checkpoint, PendingRestore(path, sharded=names is not None, names=names, left_out=left_out, choice=choice)
+    sharded = names is not None
+    return checkpoint, PendingRestore(path, sharded, names=names, left_out=left_out, choice=choice,
+                                      weights_only=weights_only)  # fmt: skip
 
 
-def placeholders(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
+def placeholders(
+    path: Path, trust: bool = False
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, dict[str, Any]]]]:
     """Meta tensors in the shape of a sharded checkpoint's weights and optimizer state (read from its metadata)."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(path).read_metadata()
+    metadata = SafeReader(path, trust).read_metadata()
     model: dict[str, torch.Tensor] = {}
     optimizers: dict[str, dict[str, dict[str, Any]]] = {}
     for key, entry in metadata.state_dict_metadata.items():
@@ -181,10 +190,6 @@ def _read_sharded(
     wanted_state: list[dict[int, tuple[int, dict[str, Any]]]],
 ) -> tuple[dict[str, torch.Tensor], list[dict[int, dict[str, Any]]]]:
     """Ask torch.distributed.checkpoint for this rank's entries only; weights land in the stage's tensors."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
     assert pending.names is not None
     weights = {k: local[k].detach() for k in wanted_model}
     request: dict[str, Any] = {"model": weights, "optimizers": {}}
@@ -195,7 +200,7 @@ def _read_sharded(
             for i, entry in wanted.values()
         }}  # fmt: skip
     with torch.no_grad():
-        dcp.load(request, storage_reader=FileSystemReader(pending.path), planner=DefaultLoadPlanner(), no_dist=True)
+        read_dcp(request, pending.path, pending.weights_only)
     # read back from the request: DCP replaces non-tensor values in its dicts
     states = [
         {j: request["optimizers"][str(o)]["state"][pending.names[o][i]] for j, (i, _) in wanted.items()}
