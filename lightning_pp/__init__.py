@@ -6,17 +6,19 @@ Importing the package registers the strategy names ``"pipeline"`` (1F1B) and ``"
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pp.callbacks import PipelineMonitor
-from lightning_pp.errors import PipelineConfigError
+from lightning_pp.errors import DamagedCheckpointError, PipelineConfigError, UntrustedCheckpointError
 from lightning_pp.lifecycle.failure import PipelinePeerError
 from lightning_pp.memory.materialize import empty_weights, materialize, name_seed
 from lightning_pp.runtime.weighting import label_tokens
 from lightning_pp.strategy import PipelineStrategy
 
 __all__ = [
+    "DamagedCheckpointError",
     "PipelineConfigError",
     "PipelineMonitor",
     "PipelinePeerError",
     "PipelineStrategy",
+    "UntrustedCheckpointError",
     "empty_weights",
     "label_tokens",
     "materialize",

@@ -17,10 +17,10 @@ import pytest
 import torch
 from conftest import consolidate_cli, ok, run_job
 
+from lightning_pp import DamagedCheckpointError, UntrustedCheckpointError
 from lightning_pp.checkpoints.export import export_hf, export_peft
-from lightning_pp.checkpoints.integrity import RECORD_FILE, DamagedCheckpointError, file_record
+from lightning_pp.checkpoints.integrity import RECORD_FILE, file_record
 from lightning_pp.checkpoints.restore import open_checkpoint
-from lightning_pp.checkpoints.trust import UntrustedCheckpointError
 from lightning_pp.consolidate import consolidate
 
 BASE = dict(batch=8, n_train=32, sanity=0, n_val=8, max_epochs=1, devices=2, m=2, strategy="pipeline")

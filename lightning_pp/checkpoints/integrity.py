@@ -34,19 +34,15 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_pp.checkpoints.trust import SafeReader, UntrustedCheckpointError
-from lightning_pp.errors import PipelineConfigError
+from lightning_pp.checkpoints.trust import SafeReader
+from lightning_pp.errors import DamagedCheckpointError, PipelineConfigError, UntrustedCheckpointError
 
 META_FILE = "meta.pt"  # a sharded checkpoint's non-tensor entries, written last
 RECORD_FILE = "checksums.json"
 _METADATA = ".metadata"
 _CARRIER = MetadataIndex("lightning_pp.checksums")  # a write result that carries a rank's records, not a tensor
-_BLOCK = 32 * 2**20  # bytes per checksum
+_BLOCK = 4 * 2**20  # bytes per checksum: the writer is at most about one block ahead of its checksums
 _rounds = 0  # this process's checks so far: the store keys of each one
-
-
-class DamagedCheckpointError(PipelineConfigError):
-    """A checkpoint whose files are not as written; nothing was loaded."""
 
 
 def file_record(path: Path, block: int = _BLOCK) -> dict[str, Any]:
@@ -83,15 +79,16 @@ class RecordingWriter(FileSystemWriter):
             tail.done.set()
             tail.join()
         files = sorted({r.storage_data.relative_path for r in results})
-        own = {name: tail.record if tail.path.name == name else file_record(Path(self.path) / name) for name in files}
+        own = {name: tail.record if tail.path.name == name and tail.record else file_record(Path(self.path) / name)
+               for name in files}  # fmt: skip
         future: Future = Future()
         future.set_result([*results, WriteResult(index=_CARRIER, size_in_bytes=0, storage_data=own)])
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         records: dict[str, dict[str, int]] = {}
-        for rank_results in results:
-            records.update(*(r.storage_data for r in rank_results if r.index == _CARRIER))
+        for carried in (r.storage_data for rank_results in results for r in rank_results if r.index == _CARRIER):
+            records.update(carried)
         super().finish(metadata, [[r for r in rank_results if r.index != _CARRIER] for rank_results in results])
         records[_METADATA] = file_record(Path(self.path) / _METADATA)
         self.records = records
@@ -132,13 +129,15 @@ def write_records(directory: Path, records: dict[str, dict[str, int]], meta: Pat
     """``checksums.json`` of a sharded directory: the shards' and ``.metadata``'s records and ``meta`` (the meta
     file, perhaps still under its staged name: recorded as ``META_FILE``)."""
     files = {**records, META_FILE: file_record(meta)}
-    (directory / RECORD_FILE).write_text(json.dumps({"algorithm": "crc32", "files": files}, indent=1, sort_keys=True))
+    (directory / RECORD_FILE).write_text(json.dumps({"algorithm": "crc32", "files": files}, sort_keys=True))
 
 
-def check_checkpoint(path: Path) -> None:
-    """Every rank: refuse ``path`` (a sharded directory, or a ``torch.save`` file) if any of its files is not as
-    written, before reading a tensor. One process (``consolidate``) checks every file itself."""
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+def check_checkpoint(path: Path, every_rank: bool = False) -> None:
+    """Refuse ``path`` (a sharded directory, or a ``torch.save`` file) if any of its files is not as written,
+    before reading a tensor. ``every_rank``: every rank of the job calls it at once (a resume) and checks its share;
+    else this process checks every file itself (``consolidate``, the exports, on one rank or none)."""
+    together = every_rank and dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size() if together else 1
     rank = dist.get_rank() if world > 1 else 0
     found, note = _problems(path, rank, world)
     if world > 1:

@@ -66,7 +66,7 @@ def open_checkpoint(
     path, recovered = recover(path, is_complete)
     if recovered:
         rank_zero_warn(recovered)
-    check_checkpoint(path)
+    check_checkpoint(path, every_rank=True)
     names: list[list[str]] | None = None
     if is_sharded(path):
         checkpoint = load_file(path / META_FILE, weights_only)

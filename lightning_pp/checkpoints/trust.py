@@ -22,16 +22,12 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from lightning_pp.errors import PipelineConfigError
+from lightning_pp.errors import PipelineConfigError, UntrustedCheckpointError
 
 TRUST_HINT = (
     "If you trust this checkpoint and its objects are your own, load it with weights_only=False"
     " (trainer.fit(..., ckpt_path=..., weights_only=False); python -m lightning_pp.consolidate --trust)."
 )
-
-
-class UntrustedCheckpointError(PipelineConfigError):
-    """A checkpoint file holds an object whose loading would run code; nothing was loaded."""
 
 
 def load_file(path: Path, weights_only: bool | None, mmap: bool = False) -> Any:
@@ -56,8 +52,10 @@ def _unsafe_globals(path: Path) -> str:
     return ", ".join(sorted(names)) or "(see the error above)"
 
 
-# DCP's ``.metadata``: the classes its writer pickles, nothing callable beyond building them
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+# DCP's ``.metadata``: the classes its writer pickles (every dataclass of its metadata module, its storage info),
+# nothing callable beyond building them
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
 _PATHS = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
 _BUILTINS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
 
@@ -79,11 +77,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _admitted(module: str, name: str) -> Any:
     """The class or value the metadata may name, or None."""
-    if module in _METADATA_MODULES:
-        import importlib
+    if module == _METADATA_MODULE:
+        from torch.distributed.checkpoint import metadata
 
-        found = getattr(importlib.import_module(module), name, None)
+        found = getattr(metadata, name, None)
         return found if isinstance(found, type) and found.__module__ == module else None
+    if (module, name) == _STORAGE_INFO:
+        from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+        return _StorageInfo
     if module == "torch":
         found = getattr(torch, name, None)
         return found if name == "Size" or isinstance(found, (torch.dtype, torch.layout, torch.memory_format)) else None

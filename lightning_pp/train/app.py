@@ -129,7 +129,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     data = instantiate(cfg.data)
 
     start = time.perf_counter()
-    trainer.fit(model, datamodule=data, ckpt_path=resume_from(cfg.get("resume"), trainer))
+    resume = resume_from(cfg.get("resume"), trainer)
+    trainer.fit(model, datamodule=data, ckpt_path=resume, weights_only=cfg.get("weights_only"))
     train_loss = trainer.callback_metrics.get("train_loss")
     # the final weights' val_loss for result.json, kept from the loggers: it would end metrics.csv with a row one
     # epoch past the last trained, which no fit wrote
