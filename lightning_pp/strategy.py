@@ -125,6 +125,7 @@ class PipelineStrategy(ParallelStrategy):
         save_frozen: bool = False,
         compile: Union[bool, dict[str, Any]] = False,
         memory_limit: options.MemoryLimit = None,
+        checksums: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -132,7 +133,7 @@ class PipelineStrategy(ParallelStrategy):
             schedule, n_microbatches, pipeline_parallel_size, layers, balance, stages_per_rank,
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
             expert_parallel_size, microbatch_weight, init_fn, init_weights, init_weights_keys, timeout,
-            process_group_backend, async_save, init_adapter, save_frozen, compile, memory_limit,
+            process_group_backend, async_save, init_adapter, save_frozen, compile, memory_limit, checksums,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend
@@ -142,7 +143,7 @@ class PipelineStrategy(ParallelStrategy):
         self._runner: Optional[PipelineRunner] = None
         self._relay: Optional[ReportRelay] = None
         self._holding = Holding(self.options)
-        self._saves = ShardedSaves(background=self.options.async_save)
+        self._saves = ShardedSaves(self.options.async_save, self.options.checksums)
         self._step_grads: StepGradients = []
         self._pending: Optional[PendingRestore] = None
         self._groups = Groups(pp=None, dp=None)
@@ -523,16 +524,15 @@ class PipelineStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Written beside ``filepath`` and moved into place once every rank has done its part (see
         ``lightning_pp.checkpoints.swap``): a process that dies at any moment of the save leaves a complete
-        checkpoint. Sharded saves may run in the background (``checkpoints.asynchronous``)."""
+        checkpoint. Sharded saves may run in the background (``checkpoints.asynchronous``) and record each file's
+        size and checksums (``checkpoints.integrity``)."""
         rank = self.global_rank
         checkpoint.update(self._holding.checkpoint_entries(self.lightning_module, self._groups.pp))
         checkpoint.update(recorded_choice(self.options))  # schedule="auto": a resumed fit keeps the choice
         if self.options.state_dict_type == "sharded":  # every rank holds its own piece, or one shard per stage
             every = has_dtensors(self.lightning_module)
             writers, group = (None, None) if every else (self.layout.pipeline_ranks(0), self._groups.pp)
-            self._saves.save(
-                checkpoint, Path(filepath), rank, self.barrier, group, writers, self.lightning_module.trainer
-            )
+            self._saves.save(checkpoint, filepath, rank, self.barrier, group, writers, self.lightning_module.trainer)
             return
         with swapped_in(Path(filepath), rank, self.barrier, is_complete) as partial:
             if self.is_global_zero:

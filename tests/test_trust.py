@@ -181,9 +181,14 @@ def test_a_full_checkpoint_cut_short_or_changed_is_refused(tmp_path, reference):
 
 
 def test_a_checkpoint_without_records_still_opens_and_says_so_once(saved, tmp_path):
+    from lightning_pp.checkpoints.formats import save_sharded
+
+    unrecorded = tmp_path / "unrecorded.ckpt"  # PipelineStrategy(checksums=False)
+    save_sharded({"state_dict": {"w": torch.ones(3)}, "optimizer_states": []}, unrecorded, 0, None, checksums=False)
+    assert not (unrecorded / RECORD_FILE).exists() and (unrecorded / "meta.pt").exists()
     ckpt = copy(saved / "final.ckpt", tmp_path / "final.ckpt")
     (ckpt / RECORD_FILE).unlink()  # as written before the records
-    with pytest.warns(UserWarning, match="before lightning-pp recorded checksums") as said:
+    with pytest.warns(UserWarning, match="without checksums") as said:
         checkpoint, _ = open_checkpoint(ckpt)
     assert len([w for w in said if "checksums" in str(w.message)]) == 1 and checkpoint["global_step"] == 4
     os.truncate(ckpt / "__0_0.distcp", 100)  # sizes are still checked, from .metadata

@@ -36,14 +36,14 @@ class _InFlight:
     path: Path
     partial: Path
     write: Future | None  # None on a rank that writes nothing (a replica other than the first)
-    writer: RecordingWriter | None
+    writer: FileSystemWriter | None
 
 
 class ShardedSaves:
     """A rank's sharded saves: synchronous, or (``background``) one at a time in flight."""
 
-    def __init__(self, background: bool) -> None:
-        self.background = background
+    def __init__(self, background: bool, checksums: bool = True) -> None:
+        self.background, self.checksums = background, checksums
         self._group: dist.ProcessGroup | None = None
         self._stager: Any = None
         self._in_flight: _InFlight | None = None
@@ -51,7 +51,7 @@ class ShardedSaves:
     def save(
         self,
         checkpoint: dict[str, Any],
-        path: Path,
+        path: str | os.PathLike,
         rank: int,
         barrier: Callable[[str], None],
         group: dist.ProcessGroup | None,
@@ -60,15 +60,16 @@ class ShardedSaves:
     ) -> None:
         """Every rank calls it. ``writers``: the global ranks that write shards (None: every rank), over ``group``
         (None: the world). In the background only while ``trainer`` fits (whose end completes the save)."""
+        path = Path(path)
         self.complete(rank, barrier)
         writes = writers is None or rank in writers
         running = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
         if not (self.background and running):
             with swapped_in(path, rank, barrier, is_complete) as partial:
                 if writes:
-                    save_sharded(checkpoint, partial, rank, group)
+                    save_sharded(checkpoint, partial, rank, group, self.checksums)
             return
-        from torch.distributed.checkpoint import async_save
+        from torch.distributed.checkpoint import FileSystemWriter, async_save
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._group is None:  # every rank creates it, at its first background save
@@ -82,7 +83,7 @@ class ShardedSaves:
         write, writer = None, None
         if writes:
             shards, rest = split_sharded(checkpoint)
-            writer = RecordingWriter(partial)  # each rank's records taken in the writer's thread
+            writer = RecordingWriter(partial) if self.checksums else FileSystemWriter(partial)  # in the writer's thread
             write = async_save(shards, storage_writer=writer, process_group=self._group, async_stager=self._stager)
             if rank == 0:  # the directory may not exist yet: the writer makes it in its thread
                 partial.mkdir(parents=True, exist_ok=True)
@@ -99,8 +100,9 @@ class ShardedSaves:
                 flight.write.result()
 
             def move_meta() -> None:
-                assert flight.writer is not None and flight.writer.records is not None  # rank 0 coordinates
-                write_records(flight.partial, flight.writer.records, flight.partial / _STAGED_META)
+                if isinstance(flight.writer, RecordingWriter):  # rank 0: the coordinator
+                    assert flight.writer.records is not None
+                    write_records(flight.partial, flight.writer.records, flight.partial / _STAGED_META)
                 os.replace(flight.partial / _STAGED_META, flight.partial / META_FILE)
 
             finish_save(flight.partial, flight.path, rank, barrier, last=move_meta)

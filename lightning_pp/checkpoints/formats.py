@@ -160,20 +160,23 @@ def one_process_optimizer_state(by_name: dict[str, Any]) -> dict[str, Any]:
     return {"state": state, "param_groups": groups}
 
 
-def save_sharded(checkpoint: dict[str, Any], path: Path, rank: int, group: dist.ProcessGroup | None) -> None:
+def save_sharded(
+    checkpoint: dict[str, Any], path: Path, rank: int, group: dist.ProcessGroup | None, checksums: bool = True
+) -> None:
     """Every rank of ``group`` (one pipeline replica, or the world when stages are sharded) writes its weights
     and optimizer state into ``path`` (a directory); DTensors are stored as their pieces with global offsets.
-    Global rank 0 then writes the rest of the checkpoint and every file's size and checksum."""
+    Global rank 0 then writes the rest of the checkpoint and (``checksums``) every file's size and checksums."""
     import torch.distributed.checkpoint as dcp
 
     shards, rest = split_sharded(checkpoint)
-    writer = RecordingWriter(path)
+    writer = RecordingWriter(path) if checksums else dcp.FileSystemWriter(path)
     dcp.save(shards, storage_writer=writer, process_group=group)
     fault_point(rank, "torn")
     if rank == 0:
         torch.save(rest, path / META_FILE)
-        assert writer.records is not None  # global rank 0 is the writers' coordinator
-        write_records(path, writer.records, path / META_FILE)
+        if isinstance(writer, RecordingWriter):
+            assert writer.records is not None  # global rank 0 is the writers' coordinator
+            write_records(path, writer.records, path / META_FILE)
 
 
 def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

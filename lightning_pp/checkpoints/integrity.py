@@ -162,8 +162,8 @@ def _problems(path: Path, rank: int, world: int) -> tuple[list[str], str | None]
     record = path / RECORD_FILE
     if not record.exists():
         return _implied_size_problems(path), (
-            f"{path} was written before lightning-pp recorded checksums: only the sizes its .metadata implies are"
-            " checked."
+            f"{path} was written without checksums (checksums=False, or before lightning-pp recorded them): only the"
+            " sizes its .metadata implies are checked."
         )
     try:
         files = json.loads(record.read_text())["files"]

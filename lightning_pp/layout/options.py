@@ -84,6 +84,7 @@ class PipelineOptions:
     save_frozen: bool = False
     compile: Union[bool, Mapping[str, Any], None] = False
     memory_limit: MemoryLimit = None
+    checksums: bool = True  # sharded saves record each file's size and block CRC-32s, checked at every load
     auto: frozenset[str] = frozenset()  # the arguments given as "auto", chosen at the first batch
     planned: bool = False  # they have been chosen (the fields hold the choice)
     forecast: Optional[Forecast] = None  # what the choice was predicted to cost, checked against the first steps
