@@ -115,7 +115,7 @@ def test_no_planted_object_runs_through_open_consolidate_or_export(saved, tmp_pa
         with pytest.raises(UntrustedCheckpointError) as refused:
             attempt()
         if door == "shard":  # read with the tensors: refused as the value is read
-            assert "'model.x'" in str(refused.value) and "os.makedirs" in str(refused.value)
+            assert "'model.x'" in str(refused.value) and "os.makedirs" in str(refused.value), refused.value
         else:
             where = ckpt if door == "full" else ckpt / door
             assert str(where) in str(refused.value) and "os.makedirs" in str(refused.value), refused.value
@@ -164,6 +164,9 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_newest_good_one
             attempt()
         message = str(refused.value)
         assert str(bad) in message and "nothing was loaded" in message, message
+        found = {"truncated": "bytes, expected", "flipped": "the save recorded", "other save": "the save recorded",
+                 "no .metadata": "missing (expected"}[kind]  # fmt: skip
+        assert found in message, message
         assert f"The newest earlier checkpoint beside it that checks: {ckpts / 'step=2.ckpt'}" in message
     assert not (tmp_path / "x").exists()
 
@@ -196,10 +199,14 @@ def test_a_checkpoint_without_records_still_opens_and_says_so_once(saved, tmp_pa
         open_checkpoint(ckpt)
 
 
-def test_every_rank_refuses_at_resume_and_validate_with_nothing_run(saved, tmp_path):
-    # one job per door, 2 ranks each: a planted meta.pt at resume, a planted .metadata at validate, a flipped byte
-    # in a shard at resume (only rank 1 checksums it: rank 0 learns it through the store)
+def test_every_rank_refuses_at_resume_and_validate_with_nothing_run(saved, tmp_path, reference):
+    # one job per door, 2 ranks each: a planted meta.pt at resume, a planted .metadata at validate, a planted full
+    # .ckpt at resume, a flipped byte in a shard at resume (only rank 1 checksums it: rank 0 learns it through the
+    # store)
     marker = tmp_path / "marker"
+    full = copy(reference(batch=8, n_train=32, n_val=8, sanity=0, max_steps=2)["out"] / "final.ckpt",
+                tmp_path / "full.ckpt")  # fmt: skip
+    plant(full, "full", Planted(marker))
     planted = copy(saved / "final.ckpt", tmp_path / "planted.ckpt")
     plant(planted, "meta.pt", Planted(marker))
     metadata = copy(saved / "final.ckpt", tmp_path / "metadata.ckpt")
@@ -208,6 +215,7 @@ def test_every_rank_refuses_at_resume_and_validate_with_nothing_run(saved, tmp_p
     bad = damage(ckpts / "step=4.ckpt", "flipped", ckpts / "step=2.ckpt")
     cases = [({"resume": str(planted)}, "UntrustedCheckpointError", str(planted / "meta.pt")),
              ({"validate_from": str(metadata)}, "UntrustedCheckpointError", str(metadata / ".metadata")),
+             ({"resume": str(full)}, "UntrustedCheckpointError", str(full)),
              ({"resume": str(ckpts / "step=4.ckpt")}, "DamagedCheckpointError", str(bad))]  # fmt: skip
     for i, (cfg, error, named) in enumerate(cases):
         job = run_job({**BASE, "max_steps": 6, "state_dict_type": "sharded", "timeout": 30, **cfg}, tmp_path / f"j{i}",

@@ -177,19 +177,22 @@ def _problems(path: Path, rank: int, world: int) -> tuple[list[str], str | None]
         elif file.stat().st_size != expected["size"]:
             problems.append(f"{file}: {file.stat().st_size} bytes, expected {expected['size']}")
         elif i % world == rank and (bad := _changed_blocks(file, expected)):
-            problems.append(f"{file}: the CRC-32 of bytes {bad} differs from the save's (changed since)")
+            problems.append(f"{file}: {bad} (changed since the save)")
     return problems, None
 
 
 def _changed_blocks(file: Path, expected: dict[str, Any]) -> str:
-    """Where ``file`` differs from its record (the first block's byte range and how many blocks), or ''."""
+    """Where ``file`` differs from its record (the first differing block: its bytes, the checksums found and
+    recorded; how many more), or ''."""
     block = expected["block"]
     found = file_record(file, block)["crc32"]
     bad = [i for i, (a, b) in enumerate(zip(found, expected["crc32"])) if a != b]
     if not bad:
         return ""
-    more = f" and {len(bad) - 1} more blocks of {block}" if len(bad) > 1 else ""
-    return f"{bad[0] * block}-{min((bad[0] + 1) * block, expected['size'])}{more}"
+    first = bad[0]
+    more = f"; {len(bad) - 1} more blocks of {block} bytes differ" if len(bad) > 1 else ""
+    return (f"bytes {first * block}-{min((first + 1) * block, expected['size'])} have CRC-32 {found[first]:08x},"
+            f" the save recorded {expected['crc32'][first]:08x}{more}")  # fmt: skip
 
 
 def _implied_size_problems(path: Path) -> list[str]:
