@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from lightning_pp.checkpoints.formats import save_sharded, split_sharded
-from lightning_pp.checkpoints.integrity import META_FILE, RecordingWriter, check_checkpoint
+from lightning_pp.checkpoints.integrity import check_checkpoint, sharded_writer
 from lightning_pp.checkpoints.trust import read_dcp
 
 
@@ -50,16 +50,10 @@ def main(mb: int, rounds: int, root: Path, out: Path) -> None:
         dist.barrier()
         return path
 
-    def plain(path: Path) -> None:  # the same save without the records: DCP's writer, then the meta file
-        shards, rest = split_sharded(checkpoint())
-        dcp.save(shards, checkpoint_id=path)
-        if rank == 0:
-            torch.save(rest, path / META_FILE)
-
-    def background(path: Path, writer) -> tuple[float, float]:
+    def background(path: Path, checksums: bool) -> tuple[float, float]:
         shards, _ = split_sharded(checkpoint())
         start = time.perf_counter()
-        future = dcp.async_save(shards, storage_writer=writer(path))
+        future = dcp.async_save(shards, storage_writer=sharded_writer(path, checksums))
         returned = time.perf_counter() - start
         future.result()
         return slowest(returned), slowest(time.perf_counter() - start)
@@ -70,12 +64,10 @@ def main(mb: int, rounds: int, root: Path, out: Path) -> None:
         order = ("plain", "recorded") if r % 2 == 0 else ("recorded", "plain")
         for kind in order:
             path = fresh(kind)
-            save = plain if kind == "plain" else lambda p: save_sharded(checkpoint(), p, rank, None)
-            row[f"sync_{kind}_s"] = timed(lambda: save(path))
+            row[f"sync_{kind}_s"] = timed(lambda: save_sharded(checkpoint(), path, rank, None, kind == "recorded"))
         for kind in order:
             path = fresh(f"async_{kind}")
-            writer = RecordingWriter if kind == "recorded" else dcp.FileSystemWriter
-            row[f"async_{kind}_blocking_s"], row[f"async_{kind}_done_s"] = background(path, writer)
+            row[f"async_{kind}_blocking_s"], row[f"async_{kind}_done_s"] = background(path, kind == "recorded")
         path = root / "recorded"
         row["check_s"] = timed(lambda: check_checkpoint(path))
         request = {"model": {k: torch.empty_like(v) for k, v in weights.items()}}

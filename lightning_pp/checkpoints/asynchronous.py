@@ -22,9 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_pp.checkpoints.formats import META_FILE, is_complete, save_sharded, split_sharded
-from lightning_pp.checkpoints.integrity import RecordingWriter, write_records
+from lightning_pp.checkpoints.integrity import sharded_writer, write_records
 from lightning_pp.checkpoints.swap import begin_save, fault_point, finish_save, swapped_in
 from lightning_pp.compat import stager_kept_between_saves
 
@@ -69,7 +70,7 @@ class ShardedSaves:
                 if writes:
                     save_sharded(checkpoint, partial, rank, group, self.checksums)
             return
-        from torch.distributed.checkpoint import FileSystemWriter, async_save
+        from torch.distributed.checkpoint import async_save
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         if self._group is None:  # every rank creates it, at its first background save
@@ -83,7 +84,7 @@ class ShardedSaves:
         write, writer = None, None
         if writes:
             shards, rest = split_sharded(checkpoint)
-            writer = RecordingWriter(partial) if self.checksums else FileSystemWriter(partial)  # in the writer's thread
+            writer = sharded_writer(partial, self.checksums)  # its records taken in the writer's thread
             write = async_save(shards, storage_writer=writer, process_group=self._group, async_stager=self._stager)
             if rank == 0:  # the directory may not exist yet: the writer makes it in its thread
                 partial.mkdir(parents=True, exist_ok=True)
@@ -100,9 +101,8 @@ class ShardedSaves:
                 flight.write.result()
 
             def move_meta() -> None:
-                if isinstance(flight.writer, RecordingWriter):  # rank 0: the coordinator
-                    assert flight.writer.records is not None
-                    write_records(flight.partial, flight.writer.records, flight.partial / _STAGED_META)
+                assert flight.writer is not None  # rank 0 writes
+                write_records(flight.partial, flight.writer, flight.partial / _STAGED_META)
                 os.replace(flight.partial / _STAGED_META, flight.partial / META_FILE)
 
             finish_save(flight.partial, flight.path, rank, barrier, last=move_meta)

@@ -135,9 +135,9 @@ def _open(src: Path, weights_only: bool | None) -> tuple[Mapping[str, Any], dict
     first and read without running code it carries; tensors the checkpoint left out that came from
     ``init_weights`` (a frozen base) are read from there."""
     check_checkpoint(src)
-    sharded, trust = is_sharded(src), weights_only is False
+    sharded = is_sharded(src)
     meta = load_file(src / META_FILE if sharded else src, weights_only, mmap=not sharded)
-    state = dict(placeholders(src, trust)[0] if sharded else meta["state_dict"])
+    state = dict(placeholders(src, trust=weights_only is False)[0] if sharded else meta["state_dict"])
     export = meta.get(EXPORT_KEY, {"keys": {}})
     own = set(state)
     base, pretrained = _frozen_base(export, meta.get(FROZEN_KEY), src)
@@ -147,7 +147,7 @@ def _open(src: Path, weights_only: bool | None) -> tuple[Mapping[str, Any], dict
 
     def read(names: list[str]) -> dict[str, torch.Tensor]:
         mine = [n for n in names if n in own]
-        tensors = _read(src, {n: state[n] for n in mine}, trust) if sharded else {n: state[n] for n in mine}
+        tensors = _read(src, {n: state[n] for n in mine}, weights_only) if sharded else {n: state[n] for n in mine}
         wanted = {base[n]: torch.empty_like(state[n], device="cpu") for n in names if n not in own}
         if wanted:
             read_keys(pretrained, wanted)
@@ -252,10 +252,10 @@ def _files(names: Mapping[str, str], state: Mapping[str, torch.Tensor], limit: i
     return files
 
 
-def _read(src: Path, wanted: Mapping[str, torch.Tensor], trust: bool) -> dict[str, torch.Tensor]:
+def _read(src: Path, wanted: Mapping[str, torch.Tensor], weights_only: bool | None) -> dict[str, torch.Tensor]:
     """These tensors of a sharded checkpoint, whole (DCP joins the pieces every rank wrote)."""
     request = {"model": {n: torch.empty_like(t, device="cpu") for n, t in wanted.items()}}
-    read_dcp(request, src, False if trust else None)
+    read_dcp(request, src, weights_only)
     return request["model"]
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_pp.checkpoints.integrity import META_FILE, RecordingWriter, check_checkpoint, write_records
+from lightning_pp.checkpoints.integrity import META_FILE, check_checkpoint, sharded_writer, write_records
 from lightning_pp.checkpoints.swap import fault_point
 from lightning_pp.checkpoints.trust import load_file, read_dcp
 from lightning_pp.layout.dtensors import full_value
@@ -169,14 +169,12 @@ def save_sharded(
     import torch.distributed.checkpoint as dcp
 
     shards, rest = split_sharded(checkpoint)
-    writer = RecordingWriter(path) if checksums else dcp.FileSystemWriter(path)
+    writer = sharded_writer(path, checksums)
     dcp.save(shards, storage_writer=writer, process_group=group)
     fault_point(rank, "torn")
     if rank == 0:
         torch.save(rest, path / META_FILE)
-        if isinstance(writer, RecordingWriter):
-            assert writer.records is not None  # global rank 0 is the writers' coordinator
-            write_records(path, writer.records, path / META_FILE)
+        write_records(path, writer, path / META_FILE)
 
 
 def split_sharded(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

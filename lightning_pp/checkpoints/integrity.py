@@ -125,10 +125,19 @@ class _Tail(threading.Thread):
         self.record = {"size": offset, "block": self.block, "crc32": crcs}
 
 
-def write_records(directory: Path, records: dict[str, dict[str, int]], meta: Path) -> None:
-    """``checksums.json`` of a sharded directory: the shards' and ``.metadata``'s records and ``meta`` (the meta
-    file, perhaps still under its staged name: recorded as ``META_FILE``)."""
-    files = {**records, META_FILE: file_record(meta)}
+def sharded_writer(path: Path, checksums: bool) -> FileSystemWriter:
+    """DCP's writer of a sharded save: recording each file's size and checksums, or (``checksums=False``) not."""
+    return RecordingWriter(path) if checksums else FileSystemWriter(path)
+
+
+def write_records(directory: Path, writer: FileSystemWriter, meta: Path) -> None:
+    """On the coordinator, after the save: ``checksums.json`` of a sharded directory, the shards' and
+    ``.metadata``'s records and ``meta`` (the meta file, perhaps still under its staged name: recorded as
+    ``META_FILE``). Nothing for a writer that did not record."""
+    if not isinstance(writer, RecordingWriter):
+        return
+    assert writer.records is not None  # global rank 0 is the writers' coordinator
+    files = {**writer.records, META_FILE: file_record(meta)}
     (directory / RECORD_FILE).write_text(json.dumps({"algorithm": "crc32", "files": files}, sort_keys=True))
 
 

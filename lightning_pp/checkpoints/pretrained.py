@@ -35,8 +35,8 @@ from torch import nn
 
 from lightning_pp.checkpoints.adapters import adapter_sites, site_of
 from lightning_pp.checkpoints.formats import META_FILE
-from lightning_pp.checkpoints.trust import SafeReader, read_dcp
 from lightning_pp.checkpoints.hf_conversion import Conversion, convert_keys, read_converted
+from lightning_pp.checkpoints.trust import SafeReader, read_dcp
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor, shard_like
 from lightning_pp.layout.options import KeyFn

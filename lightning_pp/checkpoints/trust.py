@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import pathlib
 import pickle
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from lightning_pp.errors import PipelineConfigError, UntrustedCheckpointError
@@ -52,12 +55,19 @@ def _unsafe_globals(path: Path) -> str:
     return ", ".join(sorted(names)) or "(see the error above)"
 
 
-# DCP's ``.metadata``: the classes its writer pickles (every dataclass of its metadata module, its storage info),
-# nothing callable beyond building them
-_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
-_STORAGE_INFO = ("torch.distributed.checkpoint.filesystem", "_StorageInfo")
-_PATHS = {"Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath"}
-_BUILTINS = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
+# DCP's ``.metadata``: the classes its writer pickles (every class of its metadata module, its storage info, dtypes
+# and the like below), nothing callable beyond building them
+_METADATA_MODULE = dcp_metadata.__name__
+_NAMED: dict[tuple[str, str], Any] = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,  # a layout by its name
+    ("torch", "Size"): torch.Size,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("collections", "OrderedDict"): OrderedDict,
+    **{("pathlib", n): getattr(pathlib, n) for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath",
+                                                     "PureWindowsPath")},
+}  # fmt: skip
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -78,27 +88,12 @@ class _MetadataUnpickler(pickle.Unpickler):
 def _admitted(module: str, name: str) -> Any:
     """The class or value the metadata may name, or None."""
     if module == _METADATA_MODULE:
-        from torch.distributed.checkpoint import metadata
-
-        found = getattr(metadata, name, None)
+        found = getattr(dcp_metadata, name, None)
         return found if isinstance(found, type) and found.__module__ == module else None
-    if (module, name) == _STORAGE_INFO:
-        from torch.distributed.checkpoint.filesystem import _StorageInfo
-
-        return _StorageInfo
-    if module == "torch":
-        found = getattr(torch, name, None)
-        return found if name == "Size" or isinstance(found, (torch.dtype, torch.layout, torch.memory_format)) else None
-    if (module, name) == ("torch.serialization", "_get_layout"):  # a layout by its name
-        return torch.serialization._get_layout
-    if module == "pathlib" and name in _PATHS:
-        return getattr(pathlib, name)
-    if (module, name) in _BUILTINS:
-        import builtins
-        import collections
-
-        return getattr(builtins if module == "builtins" else collections, name)
-    return None
+    if module == "torch" and isinstance(found := getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                                torch.memory_format)):
+        return found
+    return _NAMED.get((module, name))
 
 
 class SafeReader(FileSystemReader):
