@@ -7,6 +7,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_pp.callbacks import PipelineMonitor
 from lightning_pp.errors import DamagedCheckpointError, PipelineConfigError, UntrustedCheckpointError
+from lightning_pp.layout.replica_groups import FaultTolerance
 from lightning_pp.lifecycle.failure import PipelinePeerError
 from lightning_pp.memory.materialize import empty_weights, materialize, name_seed
 from lightning_pp.runtime.weighting import label_tokens
@@ -14,6 +15,7 @@ from lightning_pp.strategy import PipelineStrategy
 
 __all__ = [
     "DamagedCheckpointError",
+    "FaultTolerance",
     "PipelineConfigError",
     "PipelineMonitor",
     "PipelinePeerError",

@@ -39,12 +39,14 @@ from lightning_pp.layout import options
 from lightning_pp.layout.dtensors import has_dtensors
 from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, layout_of, make_groups
 from lightning_pp.layout.options import microbatches_for
+from lightning_pp.layout.replica_groups import sampler_shard
 from lightning_pp.layout.schedule import check_loaders
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.lifecycle.rendezvous import connect
 from lightning_pp.lifecycle.signals import SignalStop, at_evaluation_step, carry_signals_through_store
 from lightning_pp.memory.allocator import prepare_process, return_freed_tensors
 from lightning_pp.memory.materialize import check_initializers, check_materialized, empty_weights
+from lightning_pp.replicas.groups import Alone, join
 from lightning_pp.runtime.grads import StepGradients, add_gradients, step_gradients, window_starts
 from lightning_pp.runtime.metrics import load_states, sync_metrics_over
 from lightning_pp.runtime.precision import count_once, loss_multiplier, pipeline_precision
@@ -94,7 +96,8 @@ class PipelineStrategy(ParallelStrategy):
     tensor-parallel plan on meta, as under Lightning's ``ModelParallelStrategy``; the strategy does the rest.
     ``expert_parallel_size`` splits each stage's experts (transformers' MoE models) over its replicas. Arguments
     given as ``"auto"`` (``schedule``, ``n_microbatches``, ``balance``, ...) are chosen at the first batch by
-    measuring the model and simulating every layout, under ``memory_limit``.
+    measuring the model and simulating every layout, under ``memory_limit``. With ``fault_tolerance`` the job is one
+    torchft replica group: groups average gradients stage with stage, a dead one is left out, a restarted one heals.
     """
 
     strategy_name = "pipeline"
@@ -126,6 +129,7 @@ class PipelineStrategy(ParallelStrategy):
         compile: Union[bool, dict[str, Any]] = False,
         memory_limit: options.MemoryLimit = None,
         checksums: bool = True,
+        fault_tolerance: Union[options.FaultTolerance, dict[str, Any], None] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
@@ -134,10 +138,11 @@ class PipelineStrategy(ParallelStrategy):
             activation_checkpointing, state_dict_type, split, data_parallel, fsdp_reshard, tensor_parallel_size,
             expert_parallel_size, microbatch_weight, init_fn, init_weights, init_weights_keys, timeout,
             process_group_backend, async_save, init_adapter, save_frozen, compile, memory_limit, checksums,
+            fault_tolerance,
         )  # fmt: skip
         self._window = WindowWeights()
         self._process_group_backend = process_group_backend
-        self._num_nodes = 1
+        self.num_nodes = 1  # Lightning sets the Trainer's num_nodes here
         self._placement: Optional[Placement] = None
         self._tracer: Optional[Tracer] = None
         self._runner: Optional[PipelineRunner] = None
@@ -147,6 +152,7 @@ class PipelineStrategy(ParallelStrategy):
         self._step_grads: StepGradients = []
         self._pending: Optional[PendingRestore] = None
         self._groups = Groups(pp=None, dp=None)
+        self._replicas = Alone()
         self._replace_random_samplers = self._fitting = False
         # set by PipelineMonitor: time the next training step's compute and waits on this rank
         self.record_next_step = False
@@ -163,14 +169,6 @@ class PipelineStrategy(ParallelStrategy):
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
 
     @property
     def num_processes(self) -> int:
@@ -192,8 +190,8 @@ class PipelineStrategy(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of one pipeline replica must see the same batches: shard by replica only
-        return {"num_replicas": self.layout.dp, "rank": self.layout.replica}
+        # every stage of one pipeline replica must see the same batches: shard by replica (and replica group) only
+        return sampler_shard(self.options.fault_tolerance, self.layout.dp, self.layout.replica)
 
     @override
     def _configure_launcher(self) -> None:
@@ -213,6 +211,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         connect(self.cluster_environment, backend, self.options.timeout, self.root_device)
         self._groups = make_groups(layout, self.root_device.type)
+        self._replicas = join(self.options.fault_tolerance, self.global_rank, self.world_size, self.root_device)
         self._holding.use_mesh(self._groups.mesh)
         self._holding.mp_policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", ""))
         # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
@@ -241,7 +240,7 @@ class PipelineStrategy(ParallelStrategy):
         if not self._holding.pruned:  # an earlier fit sharded it itself
             check_no_user_sharding(module, self.options.tensor_parallel_size)
         check_training_setup(module, self.options.schedule, self.options.n_microbatches, self.layout)
-        if self.layout.dp == 1:
+        if self.layout.dp == 1 and self.options.fault_tolerance is None:
             # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
             # pipeline replica keeps the user's order instead, see process_dataloader
             self._replace_random_samplers = trainer._accelerator_connector.use_distributed_sampler
@@ -258,6 +257,7 @@ class PipelineStrategy(ParallelStrategy):
                 )
             self.setup_optimizers(trainer)
             check_optimizers(self.options.schedule, self.optimizers)
+            self._pending = self._replicas.heal(trainer, self._pending)  # a group behind the others: a live one's
         self.setup_precision_plugin()
         pipeline_precision(self.precision_plugin, self._groups.pp, self.root_device)
 
@@ -303,6 +303,7 @@ class PipelineStrategy(ParallelStrategy):
             end_window(self._runner)  # 2BW: the optimizer's step follows
             if self.options.microbatch_weight is not None:
                 self._window.end_window(self.lightning_module.parameters())
+            self._replicas.average(self.lightning_module.trainer)  # fault_tolerance: over the live replica groups
         closure_loss = self.precision_plugin.post_backward(closure_loss, self.lightning_module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -427,8 +428,7 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        trainer = self.lightning_module.trainer
-        self._check_loaders("training", trainer.train_dataloader, [trainer.num_training_batches])
+        self._check_loaders("training", (t := self.lightning_module.trainer).train_dataloader, [t.num_training_batches])
 
     @override
     def on_validation_start(self) -> None:
@@ -438,13 +438,11 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def on_test_start(self) -> None:
-        trainer = self.lightning_module.trainer
-        self._check_loaders("test", trainer.test_dataloaders, trainer.num_test_batches)
+        self._check_loaders("test", (t := self.lightning_module.trainer).test_dataloaders, t.num_test_batches)
 
     def _check_loaders(self, kind: str, loaders: Any, limits: list[Union[int, float]]) -> None:
-        check_loaders(
-            kind, loaders, limits, self.options.given_microbatches, self.options.schedule, self.layout.pp, self.n_stages
-        )
+        o = self.options
+        check_loaders(kind, loaders, limits, o.given_microbatches, o.schedule, self.layout.pp, self.n_stages)
 
     # ------------------------------------------------------------------ collectives
     @override
@@ -554,6 +552,7 @@ class PipelineStrategy(ParallelStrategy):
         if self._relay is not None:
             self._relay.flush()
         self._runner = self._relay = self._pending = None
+        self._replicas.close()
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -17,6 +17,6 @@ drop='^torch=='
 if [ -n "$transformers" ]; then drop='^torch==\|^transformers=='; fi
 grep -v "$drop" constraints.txt > "$venv/constraints.txt"
 "$venv/bin/python" -m pip install --quiet --disable-pip-version-check -c "$venv/constraints.txt" \
-    "torch==$version" ${transformers:+"transformers==$transformers"} -e ".[test,examples,slurm,cli]"
+    "torch==$version" ${transformers:+"transformers==$transformers"} -e ".[test,examples,slurm,cli,ft]"
 "$venv/bin/python" -c "import sys, torch; v = torch.__version__.split('+')[0]; sys.exit(v != '$version' and f'torch {v} installed, not $version')"
 exec "$venv/bin/python" -m pytest -q "$@"

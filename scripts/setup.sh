@@ -5,4 +5,4 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,examples,slurm,cli]"
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[test,examples,slurm,cli,ft]"

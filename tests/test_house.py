@@ -23,6 +23,7 @@ ORDER = [
     "runtime",
     "choose",
     "holding",
+    "replicas",
     "strategy",
     "callbacks",
     "consolidate",

@@ -76,7 +76,7 @@ def test_every_config_group_composes(overrides):
         "schedule", "n_microbatches", "pipeline_parallel_size", "layers", "balance", "stages_per_rank",
         "activation_checkpointing", "state_dict_type", "split", "init_fn", "timeout", "data_parallel", "fsdp_reshard",
         "tensor_parallel_size", "expert_parallel_size", "microbatch_weight", "init_weights", "init_weights_keys",
-        "async_save", "init_adapter", "save_frozen", "compile", "memory_limit", "checksums",
+        "async_save", "init_adapter", "save_frozen", "compile", "memory_limit", "checksums", "fault_tolerance",
     }  # fmt: skip
     if "model=gpt2_tiny" in overrides:  # the model's config sets how the strategy splits it
         assert (cfg.strategy.split, cfg.strategy.layers) == ("trace", "model.transformer.h")

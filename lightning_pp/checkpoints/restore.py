@@ -30,6 +30,7 @@ from lightning_pp.checkpoints.formats import (
 )
 from lightning_pp.checkpoints.frozen import FROZEN_KEY, check_base
 from lightning_pp.checkpoints.integrity import check_checkpoint
+from lightning_pp.checkpoints.peer import load_pieces
 from lightning_pp.checkpoints.swap import recover
 from lightning_pp.checkpoints.trust import SafeReader, load_file, read_dcp
 from lightning_pp.errors import PipelineConfigError
@@ -51,6 +52,7 @@ class PendingRestore:
     left_out: frozenset[str] = frozenset()
     choice: dict[str, Any] | None = None  # what schedule="auto" chose for the run that saved it
     weights_only: bool | None = None  # as the user passed it: False trusts the checkpoint's objects
+    pieces: dict[str, Any] | None = None  # a live replica group's rank's own tensors (``checkpoints.peer``)
 
 
 def open_checkpoint(
@@ -140,6 +142,8 @@ def restore_stage(
 
     Returns the bytes of tensors copied out of the checkpoint.
     """
+    if pending.pieces is not None:
+        return load_pieces(pending.pieces, module, optimizers)
     local = module.state_dict(keep_vars=True)
     wanted_model = [k for k in local if pending.model is not None and k in pending.model]
     wanted_state: list[dict[int, tuple[int, dict[str, Any]]]] = []  # per optimizer: local index -> global, entry

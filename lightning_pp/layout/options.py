@@ -17,6 +17,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.replica_groups import FaultTolerance, as_fault_tolerance, refusals
 from lightning_pp.layout.schedule import (
     ASYNC,
     SPLIT_BACKWARD,
@@ -85,6 +86,7 @@ class PipelineOptions:
     compile: Union[bool, Mapping[str, Any], None] = False
     memory_limit: MemoryLimit = None
     checksums: bool = True  # sharded saves record each file's size and block CRC-32s, checked at every load
+    fault_tolerance: Union[FaultTolerance, Mapping[str, Any], None] = None  # torchft replica groups
     auto: frozenset[str] = frozenset()  # the arguments given as "auto", chosen at the first batch
     planned: bool = False  # they have been chosen (the fields hold the choice)
     forecast: Optional[Forecast] = None  # what the choice was predicted to cost, checked against the first steps
@@ -116,6 +118,7 @@ class PipelineOptions:
             "timeout": timedelta(seconds=timeout)
             if isinstance(timeout, (int, float))
             else timeout or default_pg_timeout,
+            "fault_tolerance": as_fault_tolerance(self.fault_tolerance),
         }
         for name, value in normal.items():
             object.__setattr__(self, name, value)
@@ -234,6 +237,10 @@ def _check_choice(argument: str, value: str, choices: dict[str, str]) -> None:
 
 def _check_combinations(o: PipelineOptions) -> None:
     """Arguments that work alone but not together."""
+    weighted = o.microbatch_weight is not None
+    why = refusals(o.fault_tolerance, o.schedule, o.auto, weighted)  # type: ignore[arg-type]
+    if why is not None:
+        raise PipelineConfigError(f"{why}.")
     if o.async_save and o.state_dict_type != "sharded":
         raise PipelineConfigError(
             f"async_save=True with state_dict_type={o.state_dict_type!r}: a save runs in the background as each"

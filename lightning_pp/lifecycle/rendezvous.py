@@ -102,3 +102,14 @@ def _check_in(store: dist.Store, rank: int, world: int, timeout: timedelta) -> N
             f"Ranks {missing} of {world} did not start within the process-group timeout ({timeout}); rank"
             f" {rank} stops. Look at those ranks' logs; PipelineStrategy(timeout=...) sets how long ranks wait."
         ) from None
+
+
+def store_address() -> tuple[str, int]:
+    """Where this attempt's ranks met (its own store under torchrun): torchft's manager meets its group there,
+    never in a store a dead attempt left keys in."""
+    store = _get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore):
+        return store.host, store.port
+    return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])

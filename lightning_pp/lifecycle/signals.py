@@ -23,6 +23,7 @@ the way out (``OnExceptionCheckpoint``, SLURM's) holds one step on every rank. T
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import threading
@@ -30,7 +31,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch.distributed as dist
 from lightning.fabric.plugins.environments import SLURMEnvironment
@@ -152,6 +153,9 @@ class _Handler:
         self.watcher.note(_Request(self.kind, signum, self.watcher.rank))
         if self.previous is not None:
             self.previous(signum, frame)
+        if self.kind == _STOP and _leaving:  # waiting on other replica groups: see stop_at_once
+            _leaving[-1]()
+            raise SignalStop(signum, self.watcher.rank)
 
 
 class _Watcher:
@@ -278,6 +282,22 @@ class _Watcher:
                 " logs; a launcher with restarts (torchrun --max-restarts) starts the job again."
             ) from None
         return [int(count) for count in self.store.multi_get(keys)]
+
+
+_leaving: list[Callable[[], None]] = []  # set while this rank waits on other replica groups (stop_at_once)
+
+
+@contextlib.contextmanager
+def stop_at_once(leave: Callable[[], None]) -> Iterator[None]:
+    """While the rank waits for its replica group to meet the others (torchft's quorum), a stop signal ends the
+    wait at once: ``leave`` (the group leaves the lighthouse), then ``SignalStop``. The rank may be waiting on a
+    peer of its group that is gone, and every other group waits on this group's heartbeat meanwhile: a stop at
+    the step's end would come only after the quorum's timeout, the whole of it a stall for the live groups."""
+    _leaving.append(leave)
+    try:
+        yield
+    finally:
+        _leaving.pop()
 
 
 def at_evaluation_step(trainer: Any) -> None:

@@ -1,0 +1,143 @@
+"""Replica groups that survive a dead group (torchft): two pipeline jobs of 2 stages each (1F1B), each under
+its own torchrun, meeting in a lighthouse this process runs.
+
+One launch covers the whole story, checked against one process that trains, step by step, on the batches of
+the groups that committed the step: both groups together; group 1's last-stage rank killed inside a step
+(the survivor's step does not commit and leaves no trace); group 0 alone, never restarted; group 1 restarted
+by torchrun, healed from group 0 (bit-identical from the step it joins), then both together to the end.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DistributedSampler
+from conftest import HERE, child_env, free_port
+from test_parity import PARAM_TOL
+
+from lightning_pp import FaultTolerance, PipelineConfigError, PipelineStrategy
+
+torchft = pytest.importorskip("torchft")
+
+GROUPS, BATCH, N, STEPS, KILLED = 2, 4, 160, 14, 4
+TIMEOUT = 10  # seconds: the groups' average, commit and quorum; the lighthouse drops a silent group in 1 s
+
+
+def start_group(cfg: dict, out: Path, restarts: int = 1) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+         "--master_port", str(free_port()), "--max_restarts", str(restarts), "--monitor_interval", "0.1",
+         str(HERE / "ft_job.py"), json.dumps(cfg)],
+        cwd=out, env={**child_env(), "OMP_NUM_THREADS": "1"}, stdout=(out / f"group{cfg['group']}.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def lines(out: Path, group: int, rank: int) -> list[dict]:
+    return [json.loads(line) for line in (out / f"group{group}_rank{rank}.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def killed_and_healed(tmp_path_factory):
+    from torchft._torchft import LighthouseServer
+
+    out = tmp_path_factory.mktemp("ft")
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50,
+                                  heartbeat_timeout_ms=1000)  # fmt: skip
+    port = lighthouse.address().rsplit(":", 1)[1]
+    common = dict(groups=GROUPS, lighthouse=f"http://127.0.0.1:{port}", timeout=TIMEOUT, out=str(out), n=N,
+                  batch=BATCH, steps=STEPS, devices=2)  # fmt: skip
+    # group 0 starts its first batch once group 1 is up, and waits (before batch 8) for group 1's restart
+    survivor = dict(common, group=0, waits=[[0, "group1_attempt0_0"], [KILLED + 4, "group1_attempt1_0"]])
+    procs = [start_group(survivor, out), start_group(dict(common, group=1, kill=[1, KILLED]), out)]
+    try:
+        codes = [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        lighthouse.shutdown()
+    logs = "".join((out / f"group{g}.log").read_text()[-3000:] for g in range(GROUPS))
+    assert codes == [0, 0], logs
+    return out
+
+
+def test_survivors_go_on_without_a_restart_and_leave_an_uncommitted_step_no_trace(killed_and_healed):
+    out = killed_and_healed
+    for rank in (0, 1):
+        survivor = lines(out, 0, rank)
+        assert {line["attempt"] for line in survivor} == {0} and len({line["pid"] for line in survivor}) == 1
+        by_batch = {line["batch"]: line for line in survivor}
+        failed = by_batch[KILLED]  # group 1 died inside this step: its average failed, nothing moved
+        assert not failed["committed"] and failed["after"] == failed["step"], failed
+        assert failed["lr"] == by_batch[KILLED - 1]["lr"] and failed["crc"] == by_batch[KILLED - 1]["crc"]
+        assert by_batch[KILLED + 1]["committed"] and by_batch[KILLED + 1]["participants"] == 1
+        # the survivor stalled in the failed step for less than its timeout, never for a restart
+        assert by_batch[KILLED]["time"] - by_batch[KILLED - 1]["time"] < TIMEOUT + 5
+        assert survivor[-1]["after"] == STEPS and all(line["committed"] for line in survivor if line["batch"] != KILLED)
+
+
+def test_the_restarted_group_heals_bit_identical_to_the_survivor(killed_and_healed):
+    out = killed_and_healed
+    for rank in (0, 1):
+        survivor = {line["batch"]: line for line in lines(out, 0, rank)}
+        healed = [line for line in lines(out, 1, rank) if line["attempt"] == 1]
+        assert healed[0]["batch"] > KILLED and healed[0]["step"] == survivor[healed[0]["batch"]]["step"]
+        for line in healed:  # from the step it joins: the same weights, learning rate and counters
+            twin = survivor[line["batch"]]
+            assert (line["crc"], line["lr"], line["after"], line["participants"]) == (
+                twin["crc"], twin["lr"], twin["after"], 2)  # fmt: skip
+        a, b = torch.load(out / f"group0_rank{rank}.pt"), torch.load(out / f"group1_rank{rank}.pt")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_groups_equal_one_process_on_the_committed_batches(killed_and_healed):
+    import ft_job
+    from models import Tokens
+
+    data = Tokens(N, seed=0)
+    # each group reads its own share, as Lightning shards a loader over replicas (shuffled, seed 0): replica g of 2
+    shares = [list(DistributedSampler(data, num_replicas=GROUPS, rank=g, shuffle=True, seed=0)) for g in range(GROUPS)]
+    batches = []
+    for line in lines(killed_and_healed, 0, 1):
+        if line["committed"]:
+            groups = range(GROUPS) if line["participants"] == GROUPS else [0]
+            rows = [shares[g][line["batch"] * BATCH + i] for g in groups for i in range(BATCH)]
+            assert [int(data[r]["tokens"][0]) for r in rows[:BATCH]] == line["tokens"]  # group 0's, as it read them
+            batches.append({k: torch.stack([data[r][k] for r in rows]) for k in ("tokens", "targets")})
+    assert len(batches) == STEPS
+    one = ft_job.reference(batches)
+    pipeline = {k: v for r in (0, 1) for k, v in torch.load(killed_and_healed / f"group0_rank{r}.pt").items()}
+    assert pipeline.keys() == one.keys()
+    for key, value in one.items():
+        assert torch.allclose(pipeline[key], value, atol=PARAM_TOL, rtol=0), (key, (pipeline[key] - value).abs().max())
+
+
+def test_a_lighthouse_that_is_not_there_is_refused_on_every_rank_in_seconds(tmp_path):
+    cfg = dict(groups=2, group=0, lighthouse=f"http://127.0.0.1:{free_port()}", timeout=TIMEOUT, connect_timeout=2,
+               out=str(tmp_path), n=N, batch=BATCH, steps=2, devices=2)  # fmt: skip
+    start = time.monotonic()
+    code = start_group(cfg, tmp_path, restarts=0).wait(timeout=120)
+    log = (tmp_path / "group0.log").read_text()
+    assert code != 0 and log.count(f"The torchft lighthouse at {cfg['lighthouse']} did not answer within 2 s") >= 2
+    assert time.monotonic() - start < 90, log[-2000:]
+
+
+@pytest.mark.parametrize(
+    "arguments, named",
+    [
+        (dict(schedule="2bw"), "schedule='2bw' with fault_tolerance"),
+        (dict(schedule="auto"), "given as 'auto' with fault_tolerance"),
+        (dict(microbatch_weight=len), "microbatch_weight with fault_tolerance"),
+    ],
+)
+def test_what_cannot_be_exact_across_groups_is_refused(arguments, named):
+    with pytest.raises(PipelineConfigError, match=named):
+        PipelineStrategy(fault_tolerance={"group": 0, "groups": 2}, **arguments)
+    with pytest.raises(PipelineConfigError, match="group=2 with groups=2"):
+        FaultTolerance(group=2, groups=2)
