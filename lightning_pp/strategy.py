@@ -211,7 +211,6 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         connect(self.cluster_environment, backend, self.options.timeout, self.root_device)
         self._groups = make_groups(layout, self.root_device.type)
-        self._replicas = join(self.options.fault_tolerance, self.global_rank, self.world_size, self.root_device)
         self._holding.use_mesh(self._groups.mesh)
         self._holding.mp_policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", ""))
         # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
@@ -257,6 +256,7 @@ class PipelineStrategy(ParallelStrategy):
                 )
             self.setup_optimizers(trainer)
             check_optimizers(self.options.schedule, self.optimizers)
+            self._replicas = join(self.options.fault_tolerance, self.global_rank, self.world_size, self.root_device)
             self._pending = self._replicas.heal(trainer, self._pending)  # a group behind the others: a live one's
         self.setup_precision_plugin()
         pipeline_precision(self.precision_plugin, self._groups.pp, self.root_device)

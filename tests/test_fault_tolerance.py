@@ -25,7 +25,9 @@ from lightning_pp import FaultTolerance, PipelineConfigError, PipelineStrategy
 
 torchft = pytest.importorskip("torchft")
 
-GROUPS, BATCH, N, STEPS, KILLED = 2, 4, 160, 14, 4
+GROUPS, BATCH, N, STEPS, KILLED = 2, 4, 256, 24, 4
+# each group's two ranks: two pipeline stages (DDP of one replica), or one stage FSDP-sharded over two replicas
+LAYOUTS = {"2 stages": dict(pp=None, data_parallel="ddp", dp=1), "FSDP inside": dict(pp=1, data_parallel="fsdp", dp=2)}
 TIMEOUT = 10  # seconds: the groups' average, commit and quorum; the lighthouse drops a silent group in 1 s
 
 
@@ -43,19 +45,25 @@ def lines(out: Path, group: int, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"group{group}_rank{rank}.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def killed_and_healed(tmp_path_factory):
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def killed_and_healed(request, tmp_path_factory):
     from torchft._torchft import LighthouseServer
 
     out = tmp_path_factory.mktemp("ft")
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50,
                                   heartbeat_timeout_ms=1000)  # fmt: skip
     port = lighthouse.address().rsplit(":", 1)[1]
+    layout = LAYOUTS[request.param]
     common = dict(groups=GROUPS, lighthouse=f"http://127.0.0.1:{port}", timeout=TIMEOUT, out=str(out), n=N,
-                  batch=BATCH, steps=STEPS, devices=2)  # fmt: skip
-    # group 0 starts its first batch once group 1 is up, and waits (before batch 8) for group 1's restart
-    survivor = dict(common, group=0, waits=[[0, "group1_attempt0_0"], [KILLED + 4, "group1_attempt1_0"]])
-    procs = [start_group(survivor, out), start_group(dict(common, group=1, kill=[1, KILLED]), out)]
+                  batch=BATCH, steps=STEPS, devices=2, pp=layout["pp"],
+                  data_parallel=layout["data_parallel"])  # fmt: skip
+    # group 0 meets the lighthouse first (so the two never train apart at the start: group 1 heals from it), waits
+    # for group 1 before its first batch and (before batch 8) for group 1's restart, then paces its steps until the
+    # restarted group 1 has joined
+    survivor = dict(common, group=0, waits=[[0, "group1_attempt0_0"], [KILLED + 4, "group1_attempt1_0"]],
+                    pace=[KILLED + 3, "group1_started1_0"])
+    killed = dict(common, group=1, kill=[1, KILLED], setup_waits=["group0_started0_0"])
+    procs = [start_group(survivor, out), start_group(killed, out)]
     try:
         codes = [p.wait(timeout=400) for p in procs]
     finally:
@@ -64,32 +72,34 @@ def killed_and_healed(tmp_path_factory):
         lighthouse.shutdown()
     logs = "".join((out / f"group{g}.log").read_text()[-3000:] for g in range(GROUPS))
     assert codes == [0, 0], logs
-    return out
+    return out, layout["dp"]
 
 
 def test_survivors_go_on_without_a_restart_and_leave_an_uncommitted_step_no_trace(killed_and_healed):
-    out = killed_and_healed
+    out, _ = killed_and_healed
     for rank in (0, 1):
         survivor = lines(out, 0, rank)
         assert {line["attempt"] for line in survivor} == {0} and len({line["pid"] for line in survivor}) == 1
-        by_batch = {line["batch"]: line for line in survivor}
-        failed = by_batch[KILLED]  # group 1 died inside this step: its average failed, nothing moved
+        before, failed, after = ({(line["epoch"], line["batch"]): line for line in survivor}[0, b]
+                                 for b in (KILLED - 1, KILLED, KILLED + 1))  # fmt: skip
+        # group 1 died inside this step: its average failed, nothing moved
         assert not failed["committed"] and failed["after"] == failed["step"], failed
-        assert failed["lr"] == by_batch[KILLED - 1]["lr"] and failed["crc"] == by_batch[KILLED - 1]["crc"]
-        assert by_batch[KILLED + 1]["committed"] and by_batch[KILLED + 1]["participants"] == 1
+        assert (failed["lr"], failed["crc"]) == (before["lr"], before["crc"])
+        assert after["committed"] and after["participants"] == 1
         # the survivor stalled in the failed step for less than its timeout, never for a restart
-        assert by_batch[KILLED]["time"] - by_batch[KILLED - 1]["time"] < TIMEOUT + 5
-        assert survivor[-1]["after"] == STEPS and all(line["committed"] for line in survivor if line["batch"] != KILLED)
+        assert failed["time"] - before["time"] < TIMEOUT + 5
+        assert survivor[-1]["after"] == STEPS and [line["committed"] for line in survivor].count(False) == 1
 
 
 def test_the_restarted_group_heals_bit_identical_to_the_survivor(killed_and_healed):
-    out = killed_and_healed
+    out, _ = killed_and_healed
     for rank in (0, 1):
-        survivor = {line["batch"]: line for line in lines(out, 0, rank)}
+        survivor = {(line["epoch"], line["batch"]): line for line in lines(out, 0, rank)}
         healed = [line for line in lines(out, 1, rank) if line["attempt"] == 1]
-        assert healed[0]["batch"] > KILLED and healed[0]["step"] == survivor[healed[0]["batch"]]["step"]
-        for line in healed:  # from the step it joins: the same weights, learning rate and counters
-            twin = survivor[line["batch"]]
+        assert healed[0]["step"] > KILLED
+        for line in healed:  # from the step it joins: the same batch, weights, learning rate and counters
+            twin = survivor[line["epoch"], line["batch"]]
+            assert line["step"] == twin["step"]
             assert (line["crc"], line["lr"], line["after"], line["participants"]) == (
                 twin["crc"], twin["lr"], twin["after"], 2)  # fmt: skip
         a, b = torch.load(out / f"group0_rank{rank}.pt"), torch.load(out / f"group1_rank{rank}.pt")
@@ -100,22 +110,73 @@ def test_the_groups_equal_one_process_on_the_committed_batches(killed_and_healed
     import ft_job
     from models import Tokens
 
+    out, dp = killed_and_healed
     data = Tokens(N, seed=0)
-    # each group reads its own share, as Lightning shards a loader over replicas (shuffled, seed 0): replica g of 2
-    shares = [list(DistributedSampler(data, num_replicas=GROUPS, rank=g, shuffle=True, seed=0)) for g in range(GROUPS)]
+    # each replica reads its own share, as Lightning shards a loader (shuffled, seed 0): replica g x dp + r
+    samplers = [DistributedSampler(data, GROUPS * dp, r, shuffle=True, seed=0) for r in range(GROUPS * dp)]
+
+    def rows_of(replica: int, epoch: int, batch: int) -> list[int]:
+        samplers[replica].set_epoch(epoch)
+        return list(samplers[replica])[batch * BATCH : (batch + 1) * BATCH]
+
+    together: dict[tuple[int, int], set[int]] = {}  # (step, quorum): the groups that committed it in that quorum
+    for group in range(GROUPS):
+        for line in lines(out, group, 1):
+            if line["committed"]:
+                together.setdefault((line["step"], line["quorum"]), set()).add(group)
+                rows = rows_of(group * dp + dp - 1, line["epoch"], line["batch"])  # rank 1's replica's
+                assert [int(data[r]["tokens"][0]) for r in rows] == line["tokens"]
+    survivor = [line for line in lines(out, 0, 1) if line["committed"]]  # the lineage of the final weights
+    assert [line["step"] for line in survivor] == list(range(STEPS))
     batches = []
-    for line in lines(killed_and_healed, 0, 1):
-        if line["committed"]:
-            groups = range(GROUPS) if line["participants"] == GROUPS else [0]
-            rows = [shares[g][line["batch"] * BATCH + i] for g in groups for i in range(BATCH)]
-            assert [int(data[r]["tokens"][0]) for r in rows[:BATCH]] == line["tokens"]  # group 0's, as it read them
-            batches.append({k: torch.stack([data[r][k] for r in rows]) for k in ("tokens", "targets")})
+    for line in survivor:
+        groups = together[line["step"], line["quorum"]]
+        assert len(groups) == line["participants"]
+        rows = [row for g in sorted(groups) for r in range(dp)
+                for row in rows_of(g * dp + r, line["epoch"], line["batch"])]  # fmt: skip
+        batches.append({k: torch.stack([data[row][k] for row in rows]) for k in ("tokens", "targets")})
     assert len(batches) == STEPS
     one = ft_job.reference(batches)
-    pipeline = {k: v for r in (0, 1) for k, v in torch.load(killed_and_healed / f"group0_rank{r}.pt").items()}
+    pipeline = {k: v for r in (0, 1) for k, v in torch.load(out / f"group0_rank{r}.pt").items()}
     assert pipeline.keys() == one.keys()
     for key, value in one.items():
         assert torch.allclose(pipeline[key], value, atol=PARAM_TOL, rtol=0), (key, (pipeline[key] - value).abs().max())
+
+
+def test_groups_that_start_from_different_weights_are_refused(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    port = lighthouse.address().rsplit(":", 1)[1]
+    # the lighthouse waits for both: they meet at step 0, so neither heals from the other; group 1 seeded apart
+    common = dict(groups=2, lighthouse=f"http://127.0.0.1:{port}", timeout=TIMEOUT, out=str(tmp_path), n=N,
+                  batch=BATCH, steps=2, devices=2)  # fmt: skip
+    procs = [start_group(dict(common, group=g, seed=g), tmp_path, restarts=0) for g in range(2)]
+    try:
+        codes = [p.wait(timeout=200) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        lighthouse.shutdown()
+    for group, code in enumerate(codes):
+        log = (tmp_path / f"group{group}.log").read_text()
+        assert code != 0 and f"Replica group {group} holds other weights than the live groups" in log, log[-3000:]
+
+
+def test_a_group_that_never_commits_stops_with_the_reason(tmp_path):
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
+    port = lighthouse.address().rsplit(":", 1)[1]
+    cfg = dict(groups=2, group=0, lighthouse=f"http://127.0.0.1:{port}", timeout=TIMEOUT, out=str(tmp_path), n=N,
+               batch=BATCH, steps=STEPS, devices=2, min_groups=2)  # fmt: skip
+    try:
+        code = start_group(cfg, tmp_path, restarts=0).wait(timeout=200)
+    finally:
+        lighthouse.shutdown()
+    log = (tmp_path / "group0.log").read_text()
+    assert code != 0 and "11 steps in a row did not commit" in log and "min_groups=2" in log, log[-3000:]
+    assert all(not line["committed"] and line["after"] == 0 for line in lines(tmp_path, 0, 1))
 
 
 def test_a_lighthouse_that_is_not_there_is_refused_on_every_rank_in_seconds(tmp_path):

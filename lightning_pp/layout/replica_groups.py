@@ -25,6 +25,7 @@ class FaultTolerance:
     average, a commit vote or a state transfer to a healing group may take; ``quorum_timeout``: seconds to
     wait for the groups to meet; ``connect_timeout``: seconds for the lighthouse to answer at start.
     ``hostname``: how the other groups reach this group's manager (default: this machine's name).
+    ``max_uncommitted``: more steps than this in a row that do not commit (each drops its batch) end the job.
     """
 
     group: int
@@ -35,6 +36,7 @@ class FaultTolerance:
     quorum_timeout: float = 60.0
     connect_timeout: float = 10.0
     hostname: Optional[str] = None
+    max_uncommitted: int = 10
 
     def __post_init__(self) -> None:
         if not (isinstance(self.groups, int) and self.groups >= 1):
@@ -72,7 +74,8 @@ def as_fault_tolerance(value: Union[FaultTolerance, Mapping[str, Any], None]) ->
             f"fault_tolerance={value!r}: {unknown} are not its keys; give a dict of {sorted(known)} (group and"
             " groups at least) or a lightning_pp.FaultTolerance."
         )
-    return FaultTolerance(**{k: (int(v) if k in ("group", "groups", "min_groups") else v) for k, v in value.items()})
+    integers = ("group", "groups", "min_groups", "max_uncommitted")
+    return FaultTolerance(**{k: (int(v) if k in integers else v) for k, v in value.items()})
 
 
 def refusals(

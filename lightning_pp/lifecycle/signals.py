@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 import time
@@ -298,6 +299,35 @@ def stop_at_once(leave: Callable[[], None]) -> Iterator[None]:
         yield
     finally:
         _leaving.pop()
+
+
+def leave_at_a_stop_signal(leave: Callable[[], None]) -> Callable[[], None]:
+    """Call ``leave`` (from a thread) as soon as a stop signal reaches this process, even while the main thread is
+    blocked in a collective that the signal's handler must wait for; returns the undo.
+
+    A rank of a replica group whose peer died waits in a receive until the process-group timeout, and meanwhile its
+    group's manager tells the lighthouse the group is alive: the other groups cannot meet without it. The launcher
+    sends the rank SIGTERM at once (torchrun, srun); Python runs the handler only when the receive returns, but the
+    signal's number reaches the wakeup file descriptor at once, and a thread reading it has the group leave.
+    Needs the main thread (``signal.set_wakeup_fd``)."""
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    stops = {int(signal.SIGTERM), int(signal.SIGINT)}
+
+    def watch() -> None:
+        while data := os.read(read, 64):
+            if stops & set(data):
+                leave()
+                return
+
+    threading.Thread(target=watch, name="lightning_pp-leave-at-signal", daemon=True).start()
+
+    def undo() -> None:
+        signal.set_wakeup_fd(previous)
+        os.close(write)  # the thread's read ends
+
+    return undo
 
 
 def at_evaluation_step(trainer: Any) -> None:

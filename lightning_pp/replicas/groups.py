@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import socket
+import zlib
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +38,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.layout.dtensors import local_tensor
 from lightning_pp.layout.replica_groups import FaultTolerance
 from lightning_pp.lifecycle.rendezvous import store_address
-from lightning_pp.lifecycle.signals import stop_at_once
+from lightning_pp.lifecycle.signals import leave_at_a_stop_signal, stop_at_once
 
 _KEY = "lightning_pp"  # this package's entry in the state torchft hands a healing group
 _BUCKET = 2**25  # elements averaged in one call
@@ -66,7 +67,10 @@ class Replicas(Alone):
         self._received: Optional[dict[str, Any]] = None
         self._quorum_open = False
         self._committed = True
+        self._checked_quorum: Optional[int] = None  # the quorum whose groups were found to hold the same weights
+        self._uncommitted = 0  # steps in a row
         manager.register_state_dict_fn(_KEY, self._receive, self._send)
+        self._undo_leave = leave_at_a_stop_signal(lambda: manager.shutdown(wait=False))
 
     # ---------------------------------------------------------------- healing
     def heal(self, trainer: Trainer, pending: Optional[PendingRestore]) -> Optional[PendingRestore]:
@@ -88,8 +92,7 @@ class Replicas(Alone):
         connector = trainer._checkpoint_connector
         connector._loaded_checkpoint = state  # Lightning restores loops, optimizers and schedulers after setup
         connector.restore_callbacks()
-        src = self.manager._participating_replica_rank
-        return PendingRestore(Path(f"<replica group {src}>"), sharded=False, pieces=state.pop("pieces"))
+        return PendingRestore(Path("<a live replica group>"), sharded=False, pieces=state.pop("pieces"))
 
     def _meet(self) -> None:
         with stop_at_once(lambda: self.manager.shutdown(wait=False)):
@@ -122,7 +125,11 @@ class Replicas(Alone):
         """At the window's end, before clipping: each gradient the mean over the live groups."""
         if trainer.fit_loop._should_accumulate():
             return
-        grads = [local_tensor(p.grad) for p in trainer.lightning_module.parameters() if p.grad is not None]
+        module = trainer.lightning_module
+        quorum = self.manager._quorum_id  # the groups changed: each of them checks, at this step
+        if self._checked_quorum != quorum and _same_weights(self.manager, module, self.config.group):
+            self._checked_quorum = quorum
+        grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
         for bucket in _buckets(grads):
             flat = torch.cat([g.reshape(-1) for g in bucket])
             self.manager.allreduce(flat).wait()
@@ -135,11 +142,15 @@ class Replicas(Alone):
                 self._meet()
             self._quorum_open = False
             loss = closure() if closure is not None else None
-            self._committed = self.manager.should_commit()
+            # a peer of the group may still be in its average, which may take the whole timeout before it fails
+            self._committed = self.manager.should_commit(timeout=timedelta(seconds=2 * self.config.timeout))
             if self._committed:
                 step(**kwargs)
+                self._uncommitted = 0
             else:
                 _take_back_the_step(self._trainer)
+                self._uncommitted += 1
+                _check_uncommitted(self._uncommitted, self.config)
             return loss
 
         return committed_step
@@ -151,7 +162,10 @@ class Replicas(Alone):
         return scheduler_step
 
     def close(self) -> None:
-        self.manager.shutdown(wait=False)
+        if self._trainer is not None:  # once: a validate after the fit tears down again
+            self._undo_leave()
+            self.manager.shutdown(wait=False)
+            self._trainer = None
 
 
 class _Snapshot(Callback):
@@ -239,6 +253,42 @@ def _check_trainer(trainer: Trainer) -> None:
         raise PipelineConfigError(
             f"fault_tolerance with precision={trainer.precision!r}: the loss scaler would move on steps that do not"
             " commit, and a healing group does not receive it. Use precision='bf16-mixed' or '32-true'."
+        )
+
+
+def _same_weights(manager: Any, module: torch.nn.Module, group: int) -> bool:
+    """Whether every live group's rank in this position holds the same weights as this one (False: not known, the
+    average failed), at the first step of each new set of groups, where all of them check. Groups that start
+    together heal from none: a group seeded differently would average its gradients into other weights,
+    silently. Two 16-bit halves of a CRC-32 and their squares, summed exactly."""
+    from torch.distributed import ReduceOp
+
+    crc = 0
+    for name, tensor in module.state_dict().items():
+        crc = zlib.crc32(name.encode() + local_tensor(tensor).detach().cpu().contiguous().view(-1).view(torch.uint8)
+                         .numpy().tobytes(), crc)  # fmt: skip
+    mine = torch.tensor([crc & 0xFFFF, crc >> 16], dtype=torch.float64)
+    mine = torch.cat([mine, mine * mine])
+    summed = mine.clone()
+    manager.allreduce(summed, reduce_op=ReduceOp.SUM).wait()
+    if manager.errored() is not None:
+        return False
+    if not torch.equal(summed, mine * manager.num_participants()):
+        raise PipelineConfigError(
+            f"Replica group {group} holds other weights than the live groups at its first step (this rank's stage):"
+            " they started from different initialisations. Seed every group alike (seed_everything with the same"
+            " seed) or build the model from the same weights (init_weights)."
+        )
+    return True
+
+
+def _check_uncommitted(count: int, config: FaultTolerance) -> None:
+    if count > config.max_uncommitted:
+        raise RuntimeError(
+            f"{count} steps in a row did not commit (more than fault_tolerance max_uncommitted="
+            f"{config.max_uncommitted}): fewer than min_groups={config.min_groups} groups are live, or their averages"
+            " keep failing, and each such step drops its batch. Start the lighthouse with --min_replicas"
+            f" {config.min_groups} so that groups wait for each other, or check the other groups' logs."
         )
 
 

@@ -36,6 +36,7 @@ from lightning_pp.layout.schedule import resolve_stages_per_rank
 from lightning_pp.lifecycle.exit import close_process_groups
 from lightning_pp.split.microbatch import batch_size_of, tokens_in
 from lightning_pp.strategy import PipelineStrategy
+from lightning_pp.train.replica_groups import fault_tolerance, run_local_groups
 
 _CHILD_EXIT_S = 120
 
@@ -122,7 +123,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     if cfg.get("monitor"):
         callbacks.append(PipelineMonitor())
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
-    strategy = instantiate(cfg.strategy)
+    ft = fault_tolerance(cfg)  # ft=group: this job is one replica group
+    strategy = instantiate(cfg.strategy, **({"fault_tolerance": ft} if ft else {}))
     trainer: L.Trainer = instantiate(cfg.trainer, strategy=strategy, logger=logger, callbacks=callbacks)
     with trainer.init_module(empty_init=True):  # parameters on meta: each rank materialises only its stage
         model = instantiate(cfg.model)
@@ -220,5 +222,11 @@ def main(cfg: DictConfig) -> None:
     # Lightning's own data loops, under torch 2.13, warn of torch's deprecated LeafSpec at every loop's start
     # (with any strategy): nothing the app's user can act on
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    if cfg.ft.mode == "local":  # this process serves the lighthouse and starts the replica groups
+        hydra_cfg = HydraConfig.get()
+        code = run_local_groups(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
+        if code:
+            raise SystemExit(code)
+        return
     with job_scope(), lightning_logs_in_job_file():
         run(cfg)
