@@ -41,35 +41,40 @@ def start_group(cfg: dict, out: Path, restarts: int = 1) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def run_groups(configs: list[dict], out: Path, min_groups: int = 1, restarts: int = 1) -> list[int]:
+    """Each config a group under torchrun (with the lighthouse's address), meeting in a lighthouse this process
+    serves (waiting for ``min_groups``); each group's exit status."""
+    from torchft._torchft import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=min_groups, join_timeout_ms=1000, quorum_tick_ms=50,
+                                  heartbeat_timeout_ms=1000)  # fmt: skip
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    procs = [start_group({**cfg, "lighthouse": address}, out, restarts) for cfg in configs]
+    try:
+        return [p.wait(timeout=400) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        lighthouse.shutdown()
+
+
 def lines(out: Path, group: int, rank: int) -> list[dict]:
     return [json.loads(line) for line in (out / f"group{group}_rank{rank}.jsonl").read_text().splitlines()]
 
 
 @pytest.fixture(scope="module", params=list(LAYOUTS))
 def killed_and_healed(request, tmp_path_factory):
-    from torchft._torchft import LighthouseServer
-
     out = tmp_path_factory.mktemp("ft")
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, quorum_tick_ms=50,
-                                  heartbeat_timeout_ms=1000)  # fmt: skip
-    port = lighthouse.address().rsplit(":", 1)[1]
     layout = LAYOUTS[request.param]
-    common = dict(groups=GROUPS, lighthouse=f"http://127.0.0.1:{port}", timeout=TIMEOUT, out=str(out), n=N,
-                  batch=BATCH, steps=STEPS, devices=2, pp=layout["pp"],
-                  data_parallel=layout["data_parallel"])  # fmt: skip
+    common = dict(groups=GROUPS, timeout=TIMEOUT, out=str(out), n=N, batch=BATCH, steps=STEPS, devices=2,
+                  pp=layout["pp"], data_parallel=layout["data_parallel"])  # fmt: skip
     # group 0 meets the lighthouse first (so the two never train apart at the start: group 1 heals from it), waits
     # for group 1 before its first batch and (before batch 8) for group 1's restart, then paces its steps until the
     # restarted group 1 has joined
     survivor = dict(common, group=0, waits=[[0, "group1_attempt0_0"], [KILLED + 4, "group1_attempt1_0"]],
                     pace=[KILLED + 3, "group1_started1_0"])
     killed = dict(common, group=1, kill=[1, KILLED], setup_waits=["group0_started0_0"])
-    procs = [start_group(survivor, out), start_group(killed, out)]
-    try:
-        codes = [p.wait(timeout=400) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        lighthouse.shutdown()
+    codes = run_groups([survivor, killed], out)
     logs = "".join((out / f"group{g}.log").read_text()[-3000:] for g in range(GROUPS))
     assert codes == [0, 0], logs
     return out, layout["dp"]
@@ -144,36 +149,18 @@ def test_the_groups_equal_one_process_on_the_committed_batches(killed_and_healed
 
 
 def test_groups_that_start_from_different_weights_are_refused(tmp_path):
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
-    port = lighthouse.address().rsplit(":", 1)[1]
     # the lighthouse waits for both: they meet at step 0, so neither heals from the other; group 1 seeded apart
-    common = dict(groups=2, lighthouse=f"http://127.0.0.1:{port}", timeout=TIMEOUT, out=str(tmp_path), n=N,
-                  batch=BATCH, steps=2, devices=2)  # fmt: skip
-    procs = [start_group(dict(common, group=g, seed=g), tmp_path, restarts=0) for g in range(2)]
-    try:
-        codes = [p.wait(timeout=200) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-        lighthouse.shutdown()
+    common = dict(groups=2, timeout=TIMEOUT, out=str(tmp_path), n=N, batch=BATCH, steps=2, devices=2)
+    codes = run_groups([dict(common, group=g, seed=g) for g in range(2)], tmp_path, min_groups=2, restarts=0)
     for group, code in enumerate(codes):
         log = (tmp_path / f"group{group}.log").read_text()
         assert code != 0 and f"Replica group {group} holds other weights than the live groups" in log, log[-3000:]
 
 
 def test_a_group_that_never_commits_stops_with_the_reason(tmp_path):
-    from torchft._torchft import LighthouseServer
-
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=1000)
-    port = lighthouse.address().rsplit(":", 1)[1]
-    cfg = dict(groups=2, group=0, lighthouse=f"http://127.0.0.1:{port}", timeout=TIMEOUT, out=str(tmp_path), n=N,
-               batch=BATCH, steps=STEPS, devices=2, min_groups=2)  # fmt: skip
-    try:
-        code = start_group(cfg, tmp_path, restarts=0).wait(timeout=200)
-    finally:
-        lighthouse.shutdown()
+    cfg = dict(groups=2, group=0, timeout=TIMEOUT, out=str(tmp_path), n=N, batch=BATCH, steps=STEPS, devices=2,
+               min_groups=2)  # fmt: skip
+    (code,) = run_groups([cfg], tmp_path, restarts=0)
     log = (tmp_path / "group0.log").read_text()
     assert code != 0 and "11 steps in a row did not commit" in log and "min_groups=2" in log, log[-3000:]
     assert all(not line["committed"] and line["after"] == 0 for line in lines(tmp_path, 0, 1))

@@ -20,6 +20,7 @@ from models import transformers_at_least
 from lightning_pp import empty_weights, materialize
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.train.app import check_config
+from lightning_pp.train.replica_groups import fault_tolerance
 
 QUICK = ["trainer.max_epochs=1", "trainer.limit_train_batches=6", "trainer.limit_val_batches=2",
          "trainer.log_every_n_steps=1", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
@@ -67,6 +68,8 @@ def logged_losses(run_dir: Path) -> list[float]:
             "strategy.pipeline_parallel_size=2",
         ],
         ["strategy.microbatch_weight={_target_:lightning_pp.label_tokens,_partial_:true,key:targets}"],
+        ["ft=local", "ft.groups=3"],
+        ["ft=group", "ft.group=1", "ft.lighthouse=http://node0:29510"],
     ],
 )
 def test_every_config_group_composes(overrides):
@@ -93,6 +96,13 @@ def test_every_config_group_composes(overrides):
         assert cfg.trainer.precision is None and plugin.precision == "16-mixed" and plugin.scaler.get_scale() == 1024
     if "hydra/launcher=slurm" in overrides:
         assert cfg.hydra.launcher.nodes == 2 and cfg.hydra.launcher.tasks_per_node == 4
+    ft = fault_tolerance(cfg)  # ft=group: this job is one replica group, its keys the strategy's fault_tolerance
+    assert cfg.ft.mode == next((o.split("=")[1] for o in overrides if o.startswith("ft=")), "none")
+    if cfg.ft.mode == "group":
+        strategy = instantiate(cfg.strategy, fault_tolerance=ft)
+        assert (strategy.fault_tolerance.group, strategy.fault_tolerance.lighthouse) == (1, "http://node0:29510")
+    else:
+        assert ft is None
     if cfg.strategy.microbatch_weight is not None:  # a function named in the config: padded labels' token count
         weight = instantiate(cfg.strategy).microbatch_weight
         assert weight({"targets": torch.tensor([[1, 2, 3, -100], [4, 5, -100, -100]])}) == 3

@@ -60,5 +60,6 @@ def load_pieces(pieces: dict[str, Any], module: nn.Module, optimizers: list[torc
 def _like(value: Any, param: torch.Tensor) -> Any:
     """An optimizer state shard back into a DTensor where its parameter is one."""
     if isinstance(param, DTensor) and torch.is_tensor(value) and tuple(value.shape) == tuple(param.to_local().shape):
-        return DTensor.from_local(value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+        local = value.to(param.to_local().device)
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
     return value

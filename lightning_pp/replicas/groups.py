@@ -65,6 +65,7 @@ class Replicas(Alone):
         self._snapshot: dict[str, Any] = {}
         self._trainer: Optional[Trainer] = None
         self._received: Optional[dict[str, Any]] = None
+        self._setting_up = True  # only the first quorum, before the loop, may heal this group
         self._quorum_open = False
         self._committed = True
         self._checked_quorum: Optional[int] = None  # the quorum whose groups were found to hold the same weights
@@ -84,7 +85,7 @@ class Replicas(Alone):
         module.lr_scheduler_step = self._if_committed(module.lr_scheduler_step, stepwise)  # type: ignore[method-assign]
         trainer.callbacks.append(_Snapshot(self))
         self._meet()  # a healing group's state arrives in _receive
-        self._quorum_open = True
+        self._quorum_open, self._setting_up = True, False
         if self._received is None:
             return pending
         state, self._received = self._received, None
@@ -106,6 +107,13 @@ class Replicas(Alone):
         return {**self._snapshot, "pieces": rank_pieces(trainer.lightning_module, trainer.optimizers)}
 
     def _receive(self, state: dict[str, Any]) -> None:
+        if not self._setting_up:
+            raise RuntimeError(
+                f"Replica group {self.config.group} fell behind the live groups while training (a step that committed"
+                " for them did not for it): its weights, optimizer and data position would no longer be theirs. It"
+                " stops, to heal from them when it restarts (run each group under torchrun --max_restarts, or a"
+                " scheduler that restarts it)."
+            )
         self._received = state
 
     def snapshot(self, trainer: Trainer) -> None:
@@ -267,7 +275,8 @@ def _same_weights(manager: Any, module: torch.nn.Module, group: int) -> bool:
     for name, tensor in module.state_dict().items():
         crc = zlib.crc32(name.encode() + local_tensor(tensor).detach().cpu().contiguous().view(-1).view(torch.uint8)
                          .numpy().tobytes(), crc)  # fmt: skip
-    mine = torch.tensor([crc & 0xFFFF, crc >> 16], dtype=torch.float64)
+    device = next((local_tensor(p).device for p in module.parameters()), torch.device("cpu"))  # NCCL: on the GPU
+    mine = torch.tensor([crc & 0xFFFF, crc >> 16], dtype=torch.float64, device=device)
     mine = torch.cat([mine, mine * mine])
     summed = mine.clone()
     manager.allreduce(summed, reduce_op=ReduceOp.SUM).wait()
