@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_pp.errors import PipelineConfigError
+
 _GROUP_KEYS = ("group", "groups", "lighthouse", "min_groups", "timeout")
 
 
@@ -34,7 +36,9 @@ def run_local_groups(cfg: DictConfig, out: Path, overrides: list[str]) -> int:
     ft = cfg.ft
     devices = cfg.trainer.get("devices")
     if not isinstance(devices, int):
-        raise ValueError(f"ft=local needs trainer.devices as a number of ranks per group, not {devices!r}.")
+        raise PipelineConfigError(
+            f"ft=local with trainer.devices={devices!r}: give the number of ranks each replica group runs (an integer)."
+        )
     lighthouse = LighthouseServer(
         bind="[::]:0", min_replicas=int(ft.min_groups), join_timeout_ms=int(ft.join_timeout_ms),
         heartbeat_timeout_ms=int(ft.heartbeat_timeout_ms),
