@@ -2,12 +2,12 @@
 
 ``python -m torch.distributed.run --nproc_per_node 2 tests/ft_job.py '<json config>'``. Every rank appends
 one line per batch to ``group{g}_rank{r}.jsonl``: the batch, ``global_step``, whether the step committed,
-how many groups took part, a checksum of its weights after it. ``kill`` ([rank, batch]): that rank
-SIGKILLs itself inside that batch's step in the first attempt. ``waits`` ([[batch, name], ...]): before that batch,
+how many groups took part, a checksum of its weights after it. ``kill`` ([rank, step]): that rank
+SIGKILLs itself inside that step in the first attempt. ``waits`` ([[batch, name], ...]): before that batch,
 the rank waits for the file ``name``, which rank r of group g writes at each attempt's set-up
 (``group{g}_attempt{a}_{r}``, before its first quorum) and after it (``group{g}_started{a}_{r}``);
-``setup_waits`` ([name, ...]): the first attempt waits for them before its first quorum; ``pace`` ([step, name]):
-from that step on, a step each half second until the file exists. So the groups meet in the order a test wants,
+``setup_waits`` ([name, ...]): the first attempt waits for them before its first quorum; ``pace`` ([[step, name],
+...]): from that step on, a step each half second until the file exists. So the groups meet in the order a test wants,
 and the restarted group meets a live one before it ends (torchft's lighthouse lets the groups of the last quorum
 meet again at once, without waiting for one that is starting).
 Each rank saves its stage's final state as ``group{g}_rank{r}.pt``; ``reference`` runs the same module on one
@@ -42,7 +42,7 @@ ATTEMPT = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 class ScheduledGPT(TinyGPT):
     """TinyGPT with a learning rate that changes every optimizer step: schedulers must follow the commits.
-    ``kill``: the last stage's rank dies inside that batch's step, before its gradients are averaged."""
+    ``kill``: the last stage's rank dies inside that step, before its gradients are averaged."""
 
     def __init__(self, kill: list[int] | None = None) -> None:
         # SGD with momentum: its state heals too, and float rounding stays rounding (Adam's first steps turn the
@@ -51,7 +51,7 @@ class ScheduledGPT(TinyGPT):
         self.kill = kill
 
     def training_step(self, batch, batch_idx):
-        if self.kill and ATTEMPT == 0 and [int(os.environ.get("RANK", 0)), batch_idx] == self.kill:
+        if self.kill and ATTEMPT == 0 and [int(os.environ.get("RANK", 0)), self.global_step] == self.kill:
             os.kill(os.getpid(), signal.SIGKILL)
         return super().training_step(batch, batch_idx)
 
@@ -92,9 +92,9 @@ class Record(Callback):
         for at, name in self.cfg.get("waits", []):
             if at == batch_idx:
                 _wait_for(Path(self.cfg["out"]) / name)
-        pace = self.cfg.get("pace")  # [from batch, until file]: a step each half second meanwhile
-        if pace and trainer.global_step >= pace[0] and not (Path(self.cfg["out"]) / pace[1]).exists():
-            time.sleep(0.5)
+        for start, name in self.cfg.get("pace", []):  # from that step until the file exists: a step each half second
+            if trainer.global_step >= start and not (Path(self.cfg["out"]) / name).exists():
+                time.sleep(0.5)
         self.before = {"batch": batch_idx, "epoch": trainer.current_epoch, "step": trainer.global_step,
                        "tokens": batch["tokens"][:, 0].tolist()}
 

@@ -25,7 +25,7 @@ from lightning_pp import FaultTolerance, PipelineConfigError, PipelineStrategy
 
 torchft = pytest.importorskip("torchft")
 
-GROUPS, BATCH, N, STEPS, KILLED = 2, 4, 256, 24, 4
+GROUPS, BATCH, N, STEPS, KILLED = 2, 4, 256, 30, 10
 # each group's two ranks: two pipeline stages (DDP of one replica), or one stage FSDP-sharded over two replicas
 LAYOUTS = {"2 stages": dict(pp=None, data_parallel="ddp", dp=1), "FSDP inside": dict(pp=1, data_parallel="fsdp", dp=2)}
 TIMEOUT = 10  # seconds: the groups' average, commit and quorum; the lighthouse drops a silent group in 1 s
@@ -68,11 +68,11 @@ def killed_and_healed(request, tmp_path_factory):
     layout = LAYOUTS[request.param]
     common = dict(groups=GROUPS, timeout=TIMEOUT, out=str(out), n=N, batch=BATCH, steps=STEPS, devices=2,
                   pp=layout["pp"], data_parallel=layout["data_parallel"])  # fmt: skip
-    # group 0 meets the lighthouse first (so the two never train apart at the start: group 1 heals from it), waits
-    # for group 1 before its first batch and (before batch 8) for group 1's restart, then paces its steps until the
-    # restarted group 1 has joined
-    survivor = dict(common, group=0, waits=[[0, "group1_attempt0_0"], [KILLED + 4, "group1_attempt1_0"]],
-                    pace=[KILLED + 3, "group1_started1_0"])
+    # group 0 meets the lighthouse first (so the two never train apart at the start: group 1 heals from it) and
+    # paces its steps until group 1 has joined; after the kill it waits for group 1's restart and paces its steps
+    # until the restarted group 1 has joined (torchft's lighthouse lets a group go on alone while another starts)
+    survivor = dict(common, group=0, waits=[[KILLED + 4, "group1_attempt1_0"]],
+                    pace=[[0, "group1_started0_0"], [KILLED + 3, "group1_started1_0"]])
     killed = dict(common, group=1, kill=[1, KILLED], setup_waits=["group0_started0_0"])
     codes = run_groups([survivor, killed], out)
     logs = "".join((out / f"group{g}.log").read_text()[-3000:] for g in range(GROUPS))
