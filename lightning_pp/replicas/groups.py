@@ -18,9 +18,11 @@ group takes part in the step it joins.
 from __future__ import annotations
 
 import copy
+import os
 import socket
-import zlib
 import time
+import urllib.request
+import zlib
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -204,8 +206,6 @@ def join(config: Optional[FaultTolerance], rank: int, world: int, device: torch.
 
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
-            import urllib.request
-
             from torch.distributed._serialization import _streaming_load
 
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
@@ -225,8 +225,6 @@ def join(config: Optional[FaultTolerance], rank: int, world: int, device: torch.
 
 def _reachable(config: FaultTolerance) -> str:
     """The lighthouse's address, answering within ``connect_timeout`` (on every rank: none waits on another)."""
-    import os
-
     address = config.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not address:
         raise PipelineConfigError(
