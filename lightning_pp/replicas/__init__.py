@@ -2,5 +2,5 @@
 stage across the live groups, a step that did not commit leaving no trace, a restarted group healed from a
 live one (``groups``).
 
-Imports: ``errors``, ``layout``, ``lifecycle``, ``checkpoints``.
+Imports: ``errors``, ``layout``, ``lifecycle``, ``checkpoints``, ``runtime``.
 """

@@ -41,6 +41,7 @@ from lightning_pp.layout.dtensors import local_tensor
 from lightning_pp.layout.replica_groups import FaultTolerance
 from lightning_pp.lifecycle.rendezvous import store_address
 from lightning_pp.lifecycle.signals import leave_at_a_stop_signal, stop_at_once
+from lightning_pp.runtime.precision import grad_scaler
 
 _KEY = "lightning_pp"  # this package's entry in the state torchft hands a healing group
 _BUCKET = 2**25  # elements averaged in one call
@@ -254,8 +255,7 @@ def _check_trainer(trainer: Trainer) -> None:
             "fault_tolerance with manual optimization (automatic_optimization=False): the step's commit is decided"
             " around Lightning's optimizer step. Use automatic optimization with fault_tolerance."
         )
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
-    if scaler is not None and scaler.is_enabled():
+    if grad_scaler(trainer.precision_plugin) is not None:
         raise PipelineConfigError(
             f"fault_tolerance with precision={trainer.precision!r}: the loss scaler would move on steps that do not"
             " commit, and a healing group does not receive it. Use precision='bf16-mixed' or '32-true'."
