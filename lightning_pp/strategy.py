@@ -33,6 +33,7 @@ from lightning_pp.checkpoints.restore import PendingRestore, check_state_keys, o
 from lightning_pp.checkpoints.resume import resume_exactly
 from lightning_pp.checkpoints.swap import fault_point, swapped_in
 from lightning_pp.choose.auto import chosen_options, recorded_choice
+from lightning_pp.generation.through import NOT_GENERATION, generate_through, generation_step
 from lightning_pp.holding.sharding import check_no_user_sharding, mixed_precision_policy
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout import options
@@ -320,8 +321,13 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The last stage's predictions, joined over micro-batches, handed to global rank 0."""
+        """The last stage's predictions, joined over micro-batches, handed to global rank 0; a step that calls
+        ``generate`` (not the model) runs on every rank as written."""
         with self.precision_plugin.predict_step_context():
+            path = self._placement.layers_path if self._placement else self.options.layers
+            out = generation_step(self.lightning_module, path, self.lightning_module.predict_step, args, kwargs)
+            if out is not NOT_GENERATION:
+                return out
             self._pipelined("predict_step", args, kwargs, train=False)
         assert self._runner is not None
         return predictions_to_first_stage(self._runner.outputs, self._runner.mb_rows, self.layout, self.global_rank)
@@ -362,6 +368,16 @@ class PipelineStrategy(ParallelStrategy):
             load_states(self.lightning_module, report.metric_states, self.root_device)
         replay(self.lightning_module, report.logs, self.root_device)
         return None if report.loss is None else report.loss.to(self.root_device)
+
+    def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, **sampling: Any) -> Tensor:
+        """Prompts (left-padded) and their new tokens, on every rank of the pipeline; called on each with the same
+        prompts, from a hook every rank runs. ``sampling``: ``generation.sampling.Sampling``; docs/generate.md."""
+        h, wire = self._holding, self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
+        ids, self.last_generation = generate_through(
+            h.views, h.spares, h.roots, self._placement, self.options, self.layout, self._groups.pp, self.root_device,
+            wire, self.precision_plugin.forward_context(), input_ids, attention_mask, sampling,
+        )  # fmt: skip
+        return ids
 
     @property
     def placement(self) -> Optional[Placement]:

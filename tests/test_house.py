@@ -23,6 +23,7 @@ ORDER = [
     "runtime",
     "choose",
     "holding",
+    "generation",
     "replicas",
     "strategy",
     "callbacks",

@@ -90,10 +90,10 @@ def shard_stages(
     loaded: Collection[str] = frozenset(),
     tracer: Tracer | None = None,
     recompute: Callable[[Mapping[str, nn.Module]], None] | None = None,
-) -> StageModules:
+) -> tuple[StageModules, dict[int, nn.Module]]:
     """This rank's stage modules, each the FSDP root of its stage over ``mesh`` (the stage's replicas): the
     user's forward on the pruned view, or (``tracer``) the batch's traced piece; ``module`` (the rank's pruned
-    module) then holds the sharded Parameters."""
+    module) then holds the sharded Parameters. Also each stage's root (generation unshards them)."""
     place_stand_ins(module, views, placement, list(views))
     if tracer is None:
         modules = pruned_stages(views, placement)(True, None)  # type: ignore[arg-type]
@@ -103,7 +103,7 @@ def shard_stages(
     roots = dict(zip(views, modules))
     _shard_stages(views, roots, placement, mesh, options.fsdp_reshard, device, options.init_fn, mp_policy, loaded)
     adopt_parameters(module, views.values())
-    return make
+    return make, roots
 
 
 def _shard_stages(

@@ -38,7 +38,15 @@ from lightning_pp.memory.materialize import materialize
 from lightning_pp.memory.recompute import checkpoint_layers
 from lightning_pp.split.experts import shard_experts
 from lightning_pp.split.pruned import StageModules, pruned_stages
-from lightning_pp.split.stage import Placement, find_layers, guard_forwards, model_entries, prune_to_stages, stage_view
+from lightning_pp.split.stage import (
+    Placement,
+    find_layers,
+    guard_forwards,
+    model_entries,
+    parameterless_parts,
+    prune_to_stages,
+    stage_view,
+)
 from lightning_pp.split.traced import Tracer
 
 
@@ -59,6 +67,8 @@ class Holding:
     adapter: tuple[Pretrained, WeightMap] | None = None  # init_adapter, checked at setup
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
     base: FrozenBase | None = None  # what this rank read from init_weights and left frozen: checkpoints leave it out
+    spares: dict[str, nn.Module] = field(default_factory=dict)  # parts without parameters other stages hold
+    roots: dict[int, nn.Module] = field(default_factory=dict)  # each stage's FSDP root, when sharded
     _made: tuple[dict[int, nn.Module], StageModules] | None = None
 
     def use_mesh(self, mesh: Any) -> None:
@@ -86,6 +96,8 @@ class Holding:
         for n, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(n)
         held = list(module.parameters())  # the optimizers' Parameters stay alive (ids unique) until re-pointed
+        if not self.pruned:  # generation runs them where they are None (rotary embeddings, dropout)
+            self.spares = parameterless_parts(module, placement.absent_on(*stages))
         if fitting and not self.pruned:
             self.state_keys = list(module.state_dict().keys())
             self.trainable = frozenset(n for n, p in module.named_parameters() if p.requires_grad)
@@ -102,7 +114,7 @@ class Holding:
             views = {s: stage_view(local, placement, [s]) for s in stages}
             self.sharded = self.shard_over is not None and self.pruned
             if self.sharded:
-                made = shard_stages(
+                made, self.roots = shard_stages(
                     local, views, placement, self.shard_over, self.options, device, self.mp_policy, self.loaded,
                     tracer, self._per_layer(tracer),
                 )  # fmt: skip
@@ -124,6 +136,11 @@ class Holding:
             copied = restore_stage(pending, local, optimizers, self.optimizer_layouts)
             rank_zero_info(f"Rank 0 restored {copied / 2**20:.3g} MiB of its own stages' tensors from the checkpoint.")
         return local, views, make_stages
+
+    @property
+    def views(self) -> dict[int, nn.Module] | None:
+        """Each of this rank's stages as a view of its module (None before the first batch)."""
+        return None if self._made is None else self._made[0]
 
     def match_pretrained(self, module: nn.Module) -> None:
         """``init_weights`` and ``init_adapter``: names, shapes (and the adapter's config) against the whole module,

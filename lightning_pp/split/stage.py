@@ -445,6 +445,16 @@ def prune_to_stages(module: nn.Module, placement: Placement, stages: Sequence[in
         setattr(get_path(module, parent) if parent else module, attr, None)
 
 
+def parameterless_parts(module: nn.Module, names: Iterable[str]) -> dict[str, nn.Module]:
+    """The modules among ``names`` that hold no parameters (rotary embeddings, dropout): cheap to keep."""
+    parts = {name: get_path(module, name) for name in names}
+    return {
+        name: part
+        for name, part in parts.items()
+        if isinstance(part, nn.Module) and next(part.parameters(), None) is None
+    }
+
+
 class LayerNotHere(IndexError):
     """A pruned container indexed by a layer's global position on a stage that does not hold that layer."""
 
