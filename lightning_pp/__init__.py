@@ -5,7 +5,7 @@ Importing the package registers the strategy names ``"pipeline"`` (1F1B) and ``"
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_pp.callbacks import PipelineMonitor
+from lightning_pp.callbacks import GenerateSamples, PipelineMonitor
 from lightning_pp.errors import DamagedCheckpointError, PipelineConfigError, UntrustedCheckpointError
 from lightning_pp.layout.replica_groups import FaultTolerance
 from lightning_pp.lifecycle.failure import PipelinePeerError
@@ -16,6 +16,7 @@ from lightning_pp.strategy import PipelineStrategy
 __all__ = [
     "DamagedCheckpointError",
     "FaultTolerance",
+    "GenerateSamples",
     "PipelineConfigError",
     "PipelineMonitor",
     "PipelinePeerError",

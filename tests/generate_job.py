@@ -23,14 +23,14 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lightning_pp import PipelineStrategy  # noqa: E402
+from lightning_pp import GenerateSamples, PipelineStrategy  # noqa: E402
 
 VOCAB, ROWS, LENGTH = 48, 4, 8
 
 
-def prompts() -> tuple[torch.Tensor, torch.Tensor]:
-    """Five prompts of three lengths, left-padded (pad id 0)."""
-    g = torch.Generator().manual_seed(7)
+def prompts(replica: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Five prompts of three lengths, left-padded (pad id 0); each replica its own."""
+    g = torch.Generator().manual_seed(7 + replica)
     lengths = [6, 3, 6, 1, 4]
     ids = torch.zeros(len(lengths), 6, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -43,11 +43,21 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 class _CausalLM(L.LightningModule):
     def training_step(self, batch, batch_idx):
         loss = self._loss(batch)
-        self.log("train_loss", loss)
+        self.log("train_loss", loss, sync_dist=True)  # replicas: the mean over their batches
         return loss
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        """Through the pipeline ``strategy.generate``; on one process the reference."""
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if isinstance(self.trainer.strategy, PipelineStrategy):
+            return self.trainer.strategy.generate(ids, mask, max_new_tokens=4)
+        return self.reference_generate(ids, mask, max_new_tokens=4)
 
 
 class HFModel(_CausalLM):
@@ -167,9 +177,10 @@ def build(model: str) -> _CausalLM:
     return HFModel(model)
 
 
-def data() -> DataLoader:
+def data(replicas: int) -> DataLoader:
+    """Each replica's batch of ``ROWS``; one process takes the replicas' batches together."""
     g = torch.Generator().manual_seed(1)
-    return DataLoader(torch.randint(1, VOCAB, (16, LENGTH), generator=g), batch_size=ROWS)
+    return DataLoader(torch.randint(1, VOCAB, (16 * replicas, LENGTH), generator=g), batch_size=ROWS * replicas)
 
 
 class Generate(L.Callback):
@@ -182,10 +193,18 @@ class Generate(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
         if trainer.global_step != self.case.get("at", 2):
             return
-        ids, mask = prompts()
-        for name, sampling in runs(self.case).items():
-            if name == "greedy_eos":  # a token a row makes second or third, not before: it ends mid-way
-                rows = [row[ids.shape[1] :] for row in self.results["greedy"]]
+        if self.pipelined:
+            self.generate(trainer, module, trainer.strategy.layout.replica, "")
+        else:
+            for replica in range(self.case.get("replicas", 1)):
+                self.generate(trainer, module, replica, f"{replica}/" if replica else "")
+
+    def generate(self, trainer, module, replica: int, prefix: str) -> None:
+        ids, mask = prompts(replica)
+        for kind, sampling in runs(self.case).items():
+            name = prefix + kind
+            if kind == "greedy_eos":  # a token a row makes second or third, not before: it ends mid-way
+                rows = [row[ids.shape[1] :] for row in self.results[prefix + "greedy"]]
                 ends = [row[i] for row in rows for i in (1, 2, 3) if row[i] not in row[:i]]
                 sampling["eos_token_id"] = (ends or [rows[1][0]])[0]
             try:
@@ -200,6 +219,9 @@ class Generate(L.Callback):
                 self.results[name] = out.tolist()
             except Exception as error:  # noqa: BLE001 (the test reads the refusal)
                 self.results[name] = f"{type(error).__name__}: {error}"
+                if os.environ.get("GENERATE_JOB_RAISE"):
+                    raise
+                return
 
 
 def runs(case: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -221,21 +243,35 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
     for case in cfg["cases"]:
         model = build(case["model"])
         callback = Generate(case, pipelined)
-        options = {k: case[k] for k in ("schedule", "split", "stages_per_rank", "data_parallel") if k in case}
-        strategy = PipelineStrategy(n_microbatches=2, **options) if pipelined else "auto"
+        keys = ("schedule", "split", "stages_per_rank", "data_parallel", "pipeline_parallel_size", "n_microbatches")
+        options = {"n_microbatches": 2, **{k: case[k] for k in keys if k in case}}
+        strategy = PipelineStrategy(**options) if pipelined else "auto"
+        callbacks: list[L.Callback] = [callback]
+        logger: Any = False
+        if case.get("samples") and pipelined:  # the first two prompts, as GenerateSamples pads them
+            ids, mask = prompts()
+            callbacks.append(GenerateSamples([row[m.bool()].tolist() for row, m in zip(ids[:2], mask[:2])], max_new_tokens=4))
+            logger = L.pytorch.loggers.CSVLogger(out, name=case.get("name", case["model"]), version=0)
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=cfg.get("ranks", 1) if pipelined else 1,
-            max_steps=case.get("steps", 3), logger=False, enable_checkpointing=False, enable_progress_bar=False,
-            enable_model_summary=False, callbacks=[callback], num_sanity_val_steps=0,
+            max_steps=case.get("steps", 3), logger=logger, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0, val_check_interval=2,
+            limit_val_batches=1,
             precision=case.get("precision", "64-true"),
         )  # fmt: skip
-        losses: list[float] = []
-        callback.losses = losses
-        trainer.fit(model, data())
+        loader = data(1 if pipelined else case.get("replicas", 1))
+        trainer.fit(model, loader, loader)
         name = case.get("name", case["model"])
         result = {**callback.results, "loss": float(trainer.callback_metrics["train_loss"])}
+        if case.get("predict"):
+            ids, mask = prompts()
+            batches = [{"input_ids": ids[i : i + 3], "attention_mask": mask[i : i + 3]} for i in (0, 3)]
+            predicted = trainer.predict(model, DataLoader(batches, batch_size=None))
+            result["predicted"] = None if predicted is None else [row.tolist() for row in predicted]
         results[name] = result
         if pipelined:
+            replica = trainer.strategy.layout.replica
+            result = {f"{replica}/{k}" if replica and k != "loss" else k: v for k, v in result.items()}
             (out / f"{name}.rank{trainer.global_rank}.json").write_text(json.dumps(result))
     return results
 

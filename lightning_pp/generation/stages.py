@@ -40,13 +40,14 @@ class _Handoff(BaseException):
         self.hidden = hidden
 
 
-def generation_entry(module: nn.Module, placement: Placement) -> str:
+def generation_entry(module: nn.Module, layers_path: str) -> str:
     """The outermost module on the way to the layers whose forward takes ``past_key_values``: Hugging Face's
     ``...ForCausalLM`` (under peft too), or the user's module that passes a cache to its layers."""
-    for path, entry in model_entries(module, placement.layers_path).items():
-        if path != placement.layers_path and "past_key_values" in inspect.signature(type(entry).forward).parameters:
+    entries = model_entries(module, layers_path)
+    for path, entry in entries.items():
+        if path != layers_path and "past_key_values" in inspect.signature(type(entry).forward).parameters:
             return path
-    names = [f"{p or 'the module'} ({type(e).__name__})" for p, e in model_entries(module, placement.layers_path).items()]
+    names = [f"{p or 'the module'} ({type(e).__name__})" for p, e in entries.items()]
     raise PipelineConfigError(
         f"generate needs a model whose forward takes a key/value cache: none of {names[:-1]} has a"
         " `past_key_values` argument. A Hugging Face causal LM has one; a module of your own takes"
@@ -55,13 +56,14 @@ def generation_entry(module: nn.Module, placement: Placement) -> str:
     )
 
 
-def check_layers_take_a_cache(module: nn.Module, placement: Placement) -> None:
-    layers = find_layers(module, placement.layers_path)
-    for key, layer in layers.items():
+def check_generates(module: nn.Module, layers_path: str) -> None:
+    """What generation needs of a model, checked on every rank alike: a forward and layers that take a cache."""
+    generation_entry(module, layers_path)
+    for key, layer in find_layers(module, layers_path).items():
         parameters = inspect.signature(type(layer).forward).parameters
         if not any(name in parameters for name in CACHE_ARGUMENTS):
             raise PipelineConfigError(
-                f"generate needs layers that keep a key/value cache, and layer {key!r} of '{placement.layers_path}'"
+                f"generate needs layers that keep a key/value cache, and layer {key!r} of '{layers_path}'"
                 f" ({type(layer).__name__}) takes none (its forward has no `past_key_values` argument): each token"
                 " would recompute the whole sequence without it. Give the layer a `past_key_values` argument and"
                 " call `past_key_values.update(k, v, i)` on it (i: its position in the layers), as Hugging Face's do."
@@ -76,14 +78,15 @@ class StageCall:
     ) -> None:
         self.stage, self.is_first, self.is_last = stage, stage == 0, stage == placement.n_stages - 1
         self.view = view
-        self.entry = get_path(view, generation_entry(view, placement))
+        self.entry = get_path(view, generation_entry(view, placement.layers_path))
         keys = placement.layers_of(stage)
         layers = find_layers(view, placement.layers_path)
         self.first, self.last = layers[keys[0]], layers[keys[-1]]
         self.positions = [placement.layer_keys.index(k) for k in keys]
         self.n_layers = len(placement.layer_keys)
-        self.spares = {name: part.to(device) for name, part in spares.items()}
-        self.absent = [n for n in placement.absent_on(stage) if n not in spares]
+        absent = placement.absent_on(stage)
+        self.spares = {name: spares[name].to(device) for name in absent if name in spares}
+        self.absent = [n for n in absent if n not in spares]
         self.arguments = set(inspect.signature(type(self.entry).forward).parameters)
         self.caches: dict[int, Any] = {}
         self.received: torch.Tensor | None = None

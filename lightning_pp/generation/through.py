@@ -19,10 +19,10 @@ from torch import nn
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.generation.ring import GenerationReport, Ring, generate
 from lightning_pp.generation.sampling import Sampling
-from lightning_pp.generation.stages import StageCall, check_layers_take_a_cache
+from lightning_pp.generation.stages import StageCall, check_generates
 from lightning_pp.layout.mesh import Layout, check_same_batch
 from lightning_pp.layout.options import PipelineOptions
-from lightning_pp.split.stage import Placement, model_entries, resolve_layers, running_stages
+from lightning_pp.split.stage import Placement, model_entries, parameterless_parts, resolve_layers, running_stages
 
 
 def generate_through(
@@ -45,7 +45,9 @@ def generate_through(
     input_ids, attention_mask = _check_inputs(input_ids, attention_mask, device)
     _refuse(options, views, placement)
     assert views is not None and placement is not None
-    check_layers_take_a_cache(next(iter(views.values())), placement)
+    check_generates(next(iter(views.values())), placement.layers_path)
+    # a rank's stages lend each other their parameter-free parts (a V's first and last stage on one rank)
+    spares = {**spares, **{n: p for v in views.values() for n, p in parameterless_parts(v, placement.parts).items()}}
     calls = {s: StageCall(view, placement, s, spares, device) for s, view in views.items()}
     check_same_batch((input_ids, attention_mask), group)  # every stage of a pipeline generates the same prompts
     ring = Ring(calls, placement.n_stages, layout.stage_rank, layout.rank, group, device, wire)
