@@ -256,7 +256,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             strategy=strategy, accelerator="cpu", devices=cfg.get("ranks", 1) if pipelined else 1,
             max_steps=case.get("steps", 3), logger=logger, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0, val_check_interval=2,
-            limit_val_batches=1,
+            limit_val_batches=case.get("val_batches", 1),
             precision=case.get("precision", "64-true"),
         )  # fmt: skip
         loader = data(1 if pipelined else case.get("replicas", 1))
