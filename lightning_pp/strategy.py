@@ -38,10 +38,10 @@ from lightning_pp.holding.sharding import check_no_user_sharding, mixed_precisio
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout import options
 from lightning_pp.layout.dtensors import has_dtensors
-from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, layout_of, make_groups
+from lightning_pp.layout.mesh import Groups, Layout, check_same_batch, layout_of, make_groups, vote
 from lightning_pp.layout.options import microbatches_for
 from lightning_pp.layout.replica_groups import sampler_shard
-from lightning_pp.layout.schedule import check_loaders
+from lightning_pp.layout.schedule import check_loaders, keep_loader_order
 from lightning_pp.lifecycle.launch import PipelineLauncher
 from lightning_pp.lifecycle.rendezvous import connect
 from lightning_pp.lifecycle.signals import SignalStop, at_evaluation_step, carry_signals_through_store
@@ -240,21 +240,13 @@ class PipelineStrategy(ParallelStrategy):
         if not self._holding.pruned:  # an earlier fit sharded it itself
             check_no_user_sharding(module, self.options.tensor_parallel_size)
         check_training_setup(module, self.options.schedule, self.options.n_microbatches, self.layout)
-        if self.layout.dp == 1 and self.options.fault_tolerance is None:
-            # Lightning's injected sampler would shuffle even shuffle=False loaders (as under DDP); a single
-            # pipeline replica keeps the user's order instead, see process_dataloader
-            self._replace_random_samplers = trainer._accelerator_connector.use_distributed_sampler
-            trainer._accelerator_connector.use_distributed_sampler = False
+        if self.layout.dp == 1 and self.options.fault_tolerance is None:  # see process_dataloader
+            self._replace_random_samplers = keep_loader_order(trainer)
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(module)
         self._fitting = trainer.state.fn == TrainerFn.FITTING
         if self._fitting:
-            if self._holding.pruned:
-                raise NotImplementedError(
-                    "trainer.fit again on a module that an earlier fit already split into pipeline stages is not"
-                    " supported yet: configure_optimizers would see one stage only. Build a fresh module and resume"
-                    " with ckpt_path= instead."
-                )
+            self._holding.check_fit_again()
             self.setup_optimizers(trainer)
             check_optimizers(self.options.schedule, self.optimizers)
             self._replicas = join(self.options.fault_tolerance, self.global_rank, self.world_size, self.root_device)
@@ -324,8 +316,7 @@ class PipelineStrategy(ParallelStrategy):
         """The last stage's predictions, joined over micro-batches, handed to global rank 0; a step that calls
         ``generate`` (not the model) runs on every rank as written."""
         with self.precision_plugin.predict_step_context():
-            path = self._placement.layers_path if self._placement else self.options.layers
-            out = generation_step(self.lightning_module, path, self.lightning_module.predict_step, args, kwargs)
+            out = generation_step(self.lightning_module, self._placement, self.options.layers, args, kwargs)
             if out is not NOT_GENERATION:
                 return out
             self._pipelined("predict_step", args, kwargs, train=False)
@@ -372,10 +363,9 @@ class PipelineStrategy(ParallelStrategy):
     def generate(self, input_ids: Tensor, attention_mask: Optional[Tensor] = None, **sampling: Any) -> Tensor:
         """Prompts (left-padded) and their new tokens, on every rank of the pipeline; called on each with the same
         prompts, from a hook every rank runs. ``sampling``: ``generation.sampling.Sampling``; docs/generate.md."""
-        h, wire = self._holding, self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")
         ids, self.last_generation = generate_through(
-            h.views, h.spares, h.roots, self._placement, self.options, self.layout, self._groups.pp, self.root_device,
-            wire, self.precision_plugin.forward_context(), input_ids, attention_mask, sampling,
+            self._holding, self._placement, self.options, self.layout, self._groups.pp, self.root_device,
+            self._process_group_backend, self.precision_plugin.forward_context(), input_ids, attention_mask, sampling,
         )  # fmt: skip
         return ids
 
@@ -468,18 +458,14 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        if _distributed_is_initialized():
+            dist.broadcast_object_list(box, src)
         return box[0]
 
     @override
     def reduce(
-        self,
-        tensor: Union[Tensor, Any],
-        group: Optional[Any] = None,
-        reduce_op: Optional[Union[ReduceOp, str]] = "mean",
+        self, tensor: Union[Tensor, Any], group: Optional[Any] = None, reduce_op: Union[ReduceOp, str, None] = "mean"
     ) -> Union[Tensor, Any]:
         """``sync_dist`` reduces over the pipeline replicas (every stage holds its replica's value), as DDP would.
 
@@ -493,11 +479,7 @@ class PipelineStrategy(ParallelStrategy):
     @override
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Called on every rank (EarlyStopping, ModelCheckpoint): combine over the whole world."""
-        if not _distributed_is_initialized():
-            return decision
-        votes = torch.tensor(int(decision), device=self.root_device)
-        dist.all_reduce(votes, op=dist.ReduceOp.SUM)
-        return bool(votes == self.world_size) if all else bool(votes)
+        return vote(decision, all, self.root_device) if _distributed_is_initialized() else decision
 
     # ------------------------------------------------------------------ checkpoints
     @override

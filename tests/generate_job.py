@@ -146,7 +146,9 @@ class SeedGPT(_CausalLM):
         return F.cross_entropy(self(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
 
     @torch.no_grad()
-    def reference_generate(self, ids, mask, max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **sampling):
+    def reference_generate(
+        self, ids, mask, max_new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **sampling
+    ):
         """The whole sequence again each step (no cache), as a plain loop on one process would."""
         going = torch.ones(ids.shape[0], dtype=torch.bool)
         for _ in range(max_new_tokens):
@@ -250,7 +252,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         logger: Any = False
         if case.get("samples") and pipelined:  # the first two prompts, as GenerateSamples pads them
             ids, mask = prompts()
-            callbacks.append(GenerateSamples([row[m.bool()].tolist() for row, m in zip(ids[:2], mask[:2])], max_new_tokens=4))
+            unpadded = [row[m.bool()].tolist() for row, m in zip(ids[:2], mask[:2])]
+            callbacks.append(GenerateSamples(unpadded, max_new_tokens=4))
             logger = L.pytorch.loggers.CSVLogger(out, name=case.get("name", case["model"]), version=0)
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=cfg.get("ranks", 1) if pipelined else 1,

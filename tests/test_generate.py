@@ -38,7 +38,7 @@ GENERATED = ("greedy", "greedy_eos", "sampled")
 def _job(tmp_path_factory, ranks: int, cases: list[dict]) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp(f"generate{ranks}")
     cfg = {"out": str(out), "ranks": ranks, "cases": cases}
-    code, output = run_script(HERE / "generate_job.py", 600, ranks=ranks, argv=[json.dumps(cfg)])
+    code, output = run_script(HERE / "generate_job.py", 600, ranks=ranks, argv=[json.dumps(cfg)], cwd=out)
     assert code == 0, output[-4000:]
     reference = generate_job.run({**cfg, "out": str(out / "reference"), "pipelined": False, "threads": 2})
     return out, reference

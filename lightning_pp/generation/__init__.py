@@ -3,5 +3,5 @@ stage keeping the key/value cache of its own layers, the last stage choosing eac
 stage running its part of the model in Hugging Face's calling convention (``stages``), the micro-batches
 travelling the ring of stages one behind the other (``ring``).
 
-Imports: ``errors``, ``layout``, ``split``.
+Imports: ``errors``, ``layout``, ``split``, ``holding``.
 """

@@ -38,8 +38,8 @@ class Sampling:
     eos: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        eos = () if self.eos_token_id is None else (self.eos_token_id,) if isinstance(self.eos_token_id, int) else tuple(self.eos_token_id)
-        object.__setattr__(self, "eos", tuple(int(e) for e in eos))
+        eos = self.eos_token_id if self.eos_token_id is not None else ()
+        object.__setattr__(self, "eos", (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos))
         checks = [
             ("max_new_tokens", self.max_new_tokens, isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
              "a count of tokens >= 1"),

@@ -20,27 +20,27 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.generation.ring import GenerationReport, Ring, generate
 from lightning_pp.generation.sampling import Sampling
 from lightning_pp.generation.stages import StageCall, check_generates
+from lightning_pp.holding.stages import Holding
 from lightning_pp.layout.mesh import Layout, check_same_batch
 from lightning_pp.layout.options import PipelineOptions
 from lightning_pp.split.stage import Placement, model_entries, parameterless_parts, resolve_layers, running_stages
 
 
 def generate_through(
-    views: dict[int, nn.Module] | None,
-    spares: dict[str, nn.Module],
-    roots: dict[int, nn.Module],
+    holding: Holding,
     placement: Placement | None,
     options: PipelineOptions,
     layout: Layout,
     group: Any,
     device: torch.device,
-    wire: torch.device,
+    backend: str | None,
     forward_context: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
     sampling: dict[str, Any],
 ) -> tuple[torch.Tensor, GenerationReport]:
     """Every row's prompt and its new tokens, on every rank of this rank's pipeline."""
+    views, spares, roots = holding.views, holding.spares, holding.roots
     chosen = Sampling(**sampling)
     input_ids, attention_mask = _check_inputs(input_ids, attention_mask, device)
     _refuse(options, views, placement)
@@ -50,6 +50,7 @@ def generate_through(
     spares = {**spares, **{n: p for v in views.values() for n, p in parameterless_parts(v, placement.parts).items()}}
     calls = {s: StageCall(view, placement, s, spares, device) for s, view in views.items()}
     check_same_batch((input_ids, attention_mask), group)  # every stage of a pipeline generates the same prompts
+    wire = device if backend == "nccl" else torch.device("cpu")  # NCCL sends from the GPU, gloo from the CPU
     ring = Ring(calls, placement.n_stages, layout.stage_rank, layout.rank, group, device, wire)
     token = _GENERATING.set(True)
     try:
@@ -127,18 +128,18 @@ class _ModelCalled(BaseException):
     """The step called the model itself: a step for the pipeline, not a generation step."""
 
 
-def generation_step(module: nn.Module, layers: str | None, step: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def generation_step(module: Any, placement: Placement | None, layers: str | None, args: tuple, kwargs: dict) -> Any:
     """A ``predict_step`` that calls ``strategy.generate`` (and not the model) run on every rank as it is, its
     result returned; ``NOT_GENERATION`` for a step that calls the model, which the pipeline then runs (the step
     ran up to its model call here)."""
     try:
-        path = resolve_layers(module, layers)
+        path = placement.layers_path if placement is not None else resolve_layers(module, layers)
     except PipelineConfigError:  # the pipeline's own checks say why, with the step's batch
         return NOT_GENERATION
     entries = model_entries(module, path).values()
     handles = [entry.register_forward_pre_hook(_stop_outside_generate, prepend=True) for entry in entries]
     try:
-        return step(*args, **kwargs)
+        return module.predict_step(*args, **kwargs)
     except _ModelCalled:
         return NOT_GENERATION
     finally:

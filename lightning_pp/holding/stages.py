@@ -137,6 +137,14 @@ class Holding:
             rank_zero_info(f"Rank 0 restored {copied / 2**20:.3g} MiB of its own stages' tensors from the checkpoint.")
         return local, views, make_stages
 
+    def check_fit_again(self) -> None:
+        if self.pruned:
+            raise NotImplementedError(
+                "trainer.fit again on a module that an earlier fit already split into pipeline stages is not"
+                " supported yet: configure_optimizers would see one stage only. Build a fresh module and resume"
+                " with ckpt_path= instead."
+            )
+
     @property
     def views(self) -> dict[int, nn.Module] | None:
         """Each of this rank's stages as a view of its module (None before the first batch)."""

@@ -204,3 +204,10 @@ def check_same_batch(batch: Any, group: dist.ProcessGroup | None) -> None:
             " Lightning's default sampler, or a sampler that shards by the replica index"
             " (trainer.strategy.distributed_sampler_kwargs), not by the global rank."
         )
+
+
+def vote(decision: bool, all: bool, device: torch.device) -> bool:
+    """Every rank's ``decision`` combined over the whole world: all of them, or any."""
+    votes = torch.tensor(int(decision), device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.SUM)
+    return bool(votes == dist.get_world_size()) if all else bool(votes)

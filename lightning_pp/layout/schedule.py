@@ -257,3 +257,12 @@ class _ForwardOnly(_PipelineScheduleRuntime):
         self.pipeline_order_with_comms = with_send_waits(
             _add_send_recv(self.pipeline_order, stage_to_rank=lambda s: mapping[s], num_stages=n)
         )
+
+
+def keep_loader_order(trainer: Any) -> bool:
+    """One pipeline replica draws its loaders as the user made them: Lightning's injected sampler would shuffle
+    even ``shuffle=False`` loaders (as under DDP). Whether it would have been injected (a random sampler is then
+    seeded alike on every stage: ``split.microbatch.seeded_shuffle``)."""
+    connector = trainer._accelerator_connector
+    injected, connector.use_distributed_sampler = connector.use_distributed_sampler, False
+    return bool(injected)
