@@ -254,7 +254,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             ids, mask = prompts()
             unpadded = [row[m.bool()].tolist() for row, m in zip(ids[:2], mask[:2])]
             callbacks.append(GenerateSamples(unpadded, max_new_tokens=4))
-            logger = L.pytorch.loggers.CSVLogger(out, name=case.get("name", case["model"]), version=0)
+            name = case.get("name", case["model"])
+            logger = [L.pytorch.loggers.CSVLogger(out, name=name, version=0),
+                      L.pytorch.loggers.TensorBoardLogger(out / "tb", name=name, version=0)]  # fmt: skip
         trainer = L.Trainer(
             strategy=strategy, accelerator="cpu", devices=cfg.get("ranks", 1) if pipelined else 1,
             max_steps=case.get("steps", 3), logger=logger, enable_checkpointing=False, enable_progress_bar=False,

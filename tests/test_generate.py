@@ -113,6 +113,12 @@ def test_predict_and_samples_generate_as_one_process(two):
     assert lines[0] == "step,prompt,sample"
     greedy = reference["seed"]["greedy"]
     assert [line.split(",")[2] for line in lines[1:]] == [" ".join(map(str, row[6:10])) for row in greedy[:2]]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(out / "tb" / "seed" / "version_0"), size_guidance={"tensors": 0}).Reload()
+    (text,) = events.Tensors("samples/text_summary")
+    table = text.tensor_proto.string_val[0].decode()
+    assert text.step == 2 and " ".join(map(str, greedy[0][6:10])) in table and table.startswith("| prompt | sample |")
 
 
 def test_layers_without_a_cache_are_refused_on_every_rank_and_training_goes_on(two):

@@ -54,6 +54,7 @@ def logged_losses(run_dir: Path) -> list[float]:
         ["model=gpt2_tiny"],
         ["model=llama_tiny"],
         ["model=llama_tiny", "peft=lora", "peft.r=4"],
+        ["model=llama_tiny", "samples=progressions"],
         ["model=qwen3_moe_tiny", "trainer.devices=4", "strategy.expert_parallel_size=2"],
         ["trainer=gpu"],
         ["trainer=cpu_fp16"],
@@ -103,6 +104,11 @@ def test_every_config_group_composes(overrides):
         assert (strategy.fault_tolerance.group, strategy.fault_tolerance.lighthouse) == (1, "http://node0:29510")
     else:
         assert ft is None
+    if "samples=progressions" in overrides:  # GenerateSamples, its sampling arguments generate's
+        samples = instantiate(cfg.samples)
+        assert samples.prompts == [[3, 7, 11, 15, 19], [10, 12, 14]] and samples.sampling["max_new_tokens"] == 8
+    else:
+        assert cfg.samples is None
     if cfg.strategy.microbatch_weight is not None:  # a function named in the config: padded labels' token count
         weight = instantiate(cfg.strategy).microbatch_weight
         assert weight({"targets": torch.tensor([[1, 2, 3, -100], [4, 5, -100, -100]])}) == 3
@@ -172,14 +178,19 @@ def test_hf_gpt2_trains_through_the_app_split_by_the_tracer(tmp_path):
     # built on meta by the app, traced on meta, each rank materialising its stage by HF's own init rule
     run_dir = tmp_path / "run"
     # under torchrun (the default job and the multirun run the app under Lightning's launcher)
-    proc = app([*QUICK, "model=gpt2_tiny", "trainer.limit_train_batches=12", f"hydra.run.dir={run_dir}"], tmp_path,
-               ranks=2)  # fmt: skip
+    proc = app([*QUICK, "model=gpt2_tiny", "trainer.limit_train_batches=12", f"hydra.run.dir={run_dir}",
+                "samples=progressions"], tmp_path, ranks=2)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shared by stages [0, 1] (gradients summed): model.transformer.wte.weight = model.lm_head.weight" in (
         proc.stdout + proc.stderr
     )
     losses = logged_losses(run_dir)
     assert losses[-1] < losses[0] - 0.5, losses
+    # samples=progressions: the model's continuations of two prompts at the fit's one validation, beside the metrics
+    with next(run_dir.glob("logs/version_*/samples.csv")).open() as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["step"], r["prompt"]) for r in rows] == [("12", "3 7 11 15 19"), ("12", "10 12 14")]
+    assert all(len(r["sample"].split()) == 8 for r in rows)
 
 
 def test_lora_trains_only_the_adapters_through_the_app(tmp_path):

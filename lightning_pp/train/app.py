@@ -122,6 +122,8 @@ def run(cfg: DictConfig) -> dict[str, Any]:
     callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values()] + [throughput]
     if cfg.get("monitor"):
         callbacks.append(PipelineMonitor())
+    if cfg.get("samples"):
+        callbacks.append(instantiate(cfg.samples))
     logger = instantiate(cfg.logger) if cfg.get("logger") else False
     ft = fault_tolerance(cfg)  # ft=group: this job is one replica group
     strategy = instantiate(cfg.strategy, **({"fault_tolerance": ft} if ft else {}))
