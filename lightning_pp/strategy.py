@@ -99,6 +99,7 @@ class PipelineStrategy(ParallelStrategy):
     given as ``"auto"`` (``schedule``, ``n_microbatches``, ``balance``, ...) are chosen at the first batch by
     measuring the model and simulating every layout, under ``memory_limit``. With ``fault_tolerance`` the job is one
     torchft replica group: groups average gradients stage with stage, a dead one is left out, a restarted one heals.
+    ``generate`` samples from the model on the ranks that hold it, each stage caching its own layers' keys and values.
     """
 
     strategy_name = "pipeline"
@@ -212,6 +213,7 @@ class PipelineStrategy(ParallelStrategy):
         assert self.cluster_environment is not None
         connect(self.cluster_environment, backend, self.options.timeout, self.root_device)
         self._groups = make_groups(layout, self.root_device.type)
+        self._wire = self.root_device if backend == "nccl" else torch.device("cpu")  # where messages go from (P2P)
         self._holding.use_mesh(self._groups.mesh)
         self._holding.mp_policy = mixed_precision_policy(getattr(self.precision_plugin, "precision", ""))
         # configure_model applies tensor-parallel plans with it, as under Lightning's ModelParallelStrategy
@@ -313,10 +315,11 @@ class PipelineStrategy(ParallelStrategy):
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """The last stage's predictions, joined over micro-batches, handed to global rank 0; a step that calls
-        ``generate`` (not the model) runs on every rank as written."""
+        """The last stage's predictions, joined over micro-batches, handed to global rank 0 (or what generates)."""
         with self.precision_plugin.predict_step_context():
-            out = generation_step(self.lightning_module, self._placement, self.options.layers, args, kwargs)
+            out = generation_step(
+                self.lightning_module, self._placement, self.options.layers, args, kwargs, self._ensure_pipeline
+            )
             if out is not NOT_GENERATION:
                 return out
             self._pipelined("predict_step", args, kwargs, train=False)
@@ -364,8 +367,8 @@ class PipelineStrategy(ParallelStrategy):
         """Prompts (left-padded) and their new tokens, on every rank of the pipeline; called on each with the same
         prompts, from a hook every rank runs. ``sampling``: ``generation.sampling.Sampling``; docs/generate.md."""
         ids, self.last_generation = generate_through(
-            self._holding, self._placement, self.options, self.layout, self._groups.pp, self.root_device,
-            self._process_group_backend, self.precision_plugin.forward_context(), input_ids, attention_mask, sampling,
+            self.lightning_module, self._holding, self._placement, self.options, self.layout, self._groups.pp,
+            self.root_device, self._wire, self.precision_plugin.forward_context(), input_ids, attention_mask, sampling,
         )  # fmt: skip
         return ids
 
@@ -420,9 +423,8 @@ class PipelineStrategy(ParallelStrategy):
             overlap_replicas=self._tracer is None, sharded=self.options.fsdp_reshard if self._holding.sharded else None,
             forecast=self.options.forecast,
         )  # fmt: skip
-        p2p = self.root_device if self._process_group_backend == "nccl" else torch.device("cpu")  # NCCL P2P
         pipeline = layout.pipeline_ranks(layout.replica)
-        self._relay = ReportRelay(layout.last_stage_rank, pipeline, self._groups.pp, p2p, self._groups.host_pp)
+        self._relay = ReportRelay(layout.last_stage_rank, pipeline, self._groups.pp, self._wire, self._groups.host_pp)
         return self._runner
 
     # ------------------------------------------------------------------ data

@@ -109,6 +109,10 @@ def test_predict_and_samples_generate_as_one_process(two):
     out, reference = two
     ranks = _ranks(out, "seed", 2)
     assert ranks[0]["predicted"] == reference["seed"]["predicted"]
+    # a fresh Trainer and module (other weights): predict's first batch builds the stages from the step's
+    # generation and reads the checkpoint's weights
+    assert ranks[0]["predicted_from_checkpoint"] == reference["seed"]["predicted"]
+    assert ranks[1]["predicted"] is None and ranks[1]["predicted_from_checkpoint"] is None
     lines = (out / "seed" / "version_0" / "samples.csv").read_text().splitlines()
     assert lines[0] == "step,prompt,sample"
     greedy = reference["seed"]["greedy"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,21 +20,29 @@ from torch import nn
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.generation.ring import GenerationReport, Ring, generate
 from lightning_pp.generation.sampling import Sampling
-from lightning_pp.generation.stages import StageCall, check_generates
+from lightning_pp.generation.stages import StageCall, check_generates, generation_entry
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout.mesh import Layout, check_same_batch
 from lightning_pp.layout.options import PipelineOptions
-from lightning_pp.split.stage import Placement, model_entries, parameterless_parts, resolve_layers, running_stages
+from lightning_pp.split.stage import (
+    Placement,
+    get_path,
+    model_entries,
+    parameterless_parts,
+    resolve_layers,
+    running_stages,
+)
 
 
 def generate_through(
+    module: Any,
     holding: Holding,
     placement: Placement | None,
     options: PipelineOptions,
     layout: Layout,
     group: Any,
     device: torch.device,
-    backend: str | None,
+    wire: torch.device,
     forward_context: Any,
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -43,14 +52,20 @@ def generate_through(
     views, spares, roots = holding.views, holding.spares, holding.roots
     chosen = Sampling(**sampling)
     input_ids, attention_mask = _check_inputs(input_ids, attention_mask, device)
-    _refuse(options, views, placement)
+    _refuse(options)
+    if views is None or placement is None:
+        if _LEARNING.get():  # the stages are being learned from this very call: the model's own call, captured
+            _call_whole(module, options.layers, input_ids, attention_mask)
+        raise StagesNotBuilt(
+            "generate cannot run here: the stages are not built yet. Call it after trainer.fit, validate, test or"
+            " predict ran a batch, or from a predict_step (its first batch builds them)."
+        )
     assert views is not None and placement is not None
     check_generates(next(iter(views.values())), placement.layers_path)
     # a rank's stages lend each other their parameter-free parts (a V's first and last stage on one rank)
     spares = {**spares, **{n: p for v in views.values() for n, p in parameterless_parts(v, placement.parts).items()}}
     calls = {s: StageCall(view, placement, s, spares, device) for s, view in views.items()}
     check_same_batch((input_ids, attention_mask), group)  # every stage of a pipeline generates the same prompts
-    wire = device if backend == "nccl" else torch.device("cpu")  # NCCL sends from the GPU, gloo from the CPU
     ring = Ring(calls, placement.n_stages, layout.stage_rank, layout.rank, group, device, wire)
     token = _GENERATING.set(True)
     try:
@@ -84,10 +99,8 @@ def _check_inputs(
     return input_ids.to(device), attention_mask.to(device)
 
 
-def _refuse(options: PipelineOptions, views: dict[int, nn.Module] | None, placement: Placement | None) -> None:
+def _refuse(options: PipelineOptions) -> None:
     reasons = [
-        (views is None or placement is None,
-         "the stages are not built yet: generate after trainer.fit, validate, test or predict has run a batch"),
         (options.schedule == "2bw", "schedule='2bw' keeps weight versions generate would have to pick between"),
         (options.tensor_parallel_size > 1, "tensor_parallel_size > 1 (each layer a collective per token)"),
         (options.expert_parallel_size > 1, "expert_parallel_size > 1 (experts exchanged by all-to-all per token)"),
@@ -122,16 +135,33 @@ def _inference(modules: list[nn.Module], options: PipelineOptions) -> Iterator[N
 
 NOT_GENERATION = object()
 _GENERATING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_pp_generating", default=False)
+_LEARNING: contextvars.ContextVar[bool] = contextvars.ContextVar("lightning_pp_learning_stages", default=False)
+
+
+class StagesNotBuilt(PipelineConfigError):
+    """``generate`` before any batch built this rank's stages."""
+
+
+def _call_whole(module: nn.Module, layers: str | None, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
+    """The generation's model call on the whole module, which the placement learner captures (never runs)."""
+    entry = get_path(module, generation_entry(module, resolve_layers(module, layers)))
+    if "input_ids" in inspect.signature(type(entry).forward).parameters:
+        entry(input_ids=input_ids, attention_mask=mask)
+    else:
+        entry(input_ids, attention_mask=mask)
 
 
 class _ModelCalled(BaseException):
     """The step called the model itself: a step for the pipeline, not a generation step."""
 
 
-def generation_step(module: Any, placement: Placement | None, layers: str | None, args: tuple, kwargs: dict) -> Any:
+def generation_step(
+    module: Any, placement: Placement | None, layers: str | None, args: tuple, kwargs: dict, build: Callable[..., Any]
+) -> Any:
     """A ``predict_step`` that calls ``strategy.generate`` (and not the model) run on every rank as it is, its
     result returned; ``NOT_GENERATION`` for a step that calls the model, which the pipeline then runs (the step
-    ran up to its model call here)."""
+    ran up to its model call here). Before any batch, ``build("predict_step", args, kwargs)`` makes the stages
+    from the step's generation (the checkpoint of ``ckpt_path`` read then), and the step runs again."""
     try:
         path = placement.layers_path if placement is not None else resolve_layers(module, layers)
     except PipelineConfigError:  # the pipeline's own checks say why, with the step's batch
@@ -139,7 +169,18 @@ def generation_step(module: Any, placement: Placement | None, layers: str | None
     entries = model_entries(module, path).values()
     handles = [entry.register_forward_pre_hook(_stop_outside_generate, prepend=True) for entry in entries]
     try:
-        return module.predict_step(*args, **kwargs)
+        try:
+            return module.predict_step(*args, **kwargs)
+        except StagesNotBuilt:
+            for handle in handles:
+                handle.remove()
+            handles = []
+            token = _LEARNING.set(True)
+            try:
+                build("predict_step", args, kwargs)
+            finally:
+                _LEARNING.reset(token)
+            return module.predict_step(*args, **kwargs)
     except _ModelCalled:
         return NOT_GENERATION
     finally:
