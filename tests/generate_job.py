@@ -271,7 +271,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         result = {**callback.results, "loss": float(trainer.callback_metrics["train_loss"])}
         if case.get("predict"):
             ids, mask = prompts()
-            batches = [{"input_ids": ids[i : i + 3], "attention_mask": mask[i : i + 3]} for i in (0, 3)]
+            # the first batch splits into the strategy's micro-batches (a fresh predict builds the stages from it)
+            batches = [{"input_ids": ids[i:j], "attention_mask": mask[i:j]} for i, j in ((0, 4), (4, 5))]
             predicted = trainer.predict(model, DataLoader(batches, batch_size=None))
             result["predicted"] = None if predicted is None else [row.tolist() for row in predicted]
             if pipelined:  # a fresh Trainer and module: predict builds the stages, reading the checkpoint
