@@ -203,7 +203,7 @@ class Generate(L.Callback):
                 self.generate(trainer, module, replica, f"{replica}/" if replica else "")
 
     def generate(self, trainer, module, replica: int, prefix: str) -> None:
-        ids, mask = prompts(replica)
+        ids, mask = (t.to(module.device) for t in prompts(replica))
         for kind, sampling in runs(self.case).items():
             name = prefix + kind
             if kind == "greedy_eos":  # a token a row makes second or third, not before: it ends mid-way
@@ -258,8 +258,9 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             name = case.get("name", case["model"])
             logger = [L.pytorch.loggers.CSVLogger(out, name=name, version=0),
                       L.pytorch.loggers.TensorBoardLogger(out / "tb", name=name, version=0)]  # fmt: skip
+        devices = cfg.get("ranks", 1) if pipelined else 1
         trainer = L.Trainer(
-            strategy=strategy, accelerator="cpu", devices=cfg.get("ranks", 1) if pipelined else 1,
+            strategy=strategy, accelerator=cfg.get("accelerator", "cpu"), devices=devices,
             max_steps=case.get("steps", 3), logger=logger, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0, val_check_interval=2,
             limit_val_batches=case.get("val_batches", 1),
@@ -278,7 +279,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             if pipelined:  # a fresh Trainer and module: predict builds the stages, reading the checkpoint
                 trainer.save_checkpoint(out / f"{name}.ckpt")
                 fresh = L.Trainer(
-                    strategy=PipelineStrategy(**options), accelerator="cpu", devices=cfg["ranks"], logger=False,
+                    strategy=PipelineStrategy(**options), accelerator=cfg.get("accelerator", "cpu"),
+                    devices=cfg["ranks"], logger=False,
                     precision=case.get("precision", "64-true"), enable_progress_bar=False, enable_model_summary=False,
                 )  # fmt: skip
                 again = fresh.predict(build("seed_other"), DataLoader(batches, batch_size=None),

@@ -16,6 +16,7 @@ from test_adapters import LORA
 from test_frozen import _micro
 from test_moe import MOE
 from test_parity import assert_same_logs, common
+from test_generate import generate_job_against_one_process, same_as_one_process
 from test_tied import assert_state_equal, combined
 
 from lightning_pp.checkpoints.formats import load_sharded
@@ -192,3 +193,15 @@ def test_the_timeline_is_timed_with_cuda_events(tmp_path):
         assert len(compute) == 8 and all(e["dur"] > 0 for e in compute)
     bubbles = [r["pipeline/bubble"] for r in job.rank(0)["logged"] if "pipeline/bubble" in r]
     assert bubbles and all(0 < b < 1 for b in bubbles)
+
+
+@gpus(1)
+@pytest.mark.parametrize("ranks, schedule", [(1, "zbv"), (2, "1f1b")])
+def test_generation_on_cuda_makes_one_gpu_s_tokens(ranks, schedule, tmp_path_factory):
+    # one GPU: a V's four stages handed over on the device; two: the hidden states and tokens over NCCL; the
+    # sampling generator on CUDA against torch.manual_seed and Hugging Face's generate on one GPU
+    if GPUS < ranks:
+        pytest.skip(f"needs {ranks} CUDA devices, this machine has {GPUS}")
+    case = {"model": "llama", "split": "trace", "schedule": schedule, "name": "llama"}
+    out, reference = generate_job_against_one_process(tmp_path_factory, ranks, [case], accelerator="cuda")
+    same_as_one_process(out, reference, "llama", ranks)

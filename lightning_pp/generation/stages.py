@@ -76,7 +76,7 @@ class StageCall:
     def __init__(
         self, view: nn.Module, placement: Placement, stage: int, spares: dict[str, nn.Module], device: torch.device
     ) -> None:
-        self.stage, self.is_first, self.is_last = stage, stage == 0, stage == placement.n_stages - 1
+        self.stage, self.is_last = stage, stage == placement.n_stages - 1
         self.view = view
         self.entry = get_path(view, generation_entry(view, placement.layers_path))
         keys = placement.layers_of(stage)
