@@ -19,7 +19,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -180,10 +180,14 @@ def build(model: str) -> _CausalLM:
     return HFModel(model)
 
 
-def data(replicas: int) -> DataLoader:
-    """Each replica's batch of ``ROWS``; one process takes the replicas' batches together."""
+def data(replicas: int, replica: int | None) -> DataLoader:
+    """Each replica's batch of ``ROWS`` (replica r: rows r, r + replicas, ... in order); one process (``replica``
+    None) takes the replicas' batches together."""
     g = torch.Generator().manual_seed(1)
-    return DataLoader(torch.randint(1, VOCAB, (16 * replicas, LENGTH), generator=g), batch_size=ROWS * replicas)
+    rows = torch.randint(1, VOCAB, (16 * replicas, LENGTH), generator=g)
+    if replica is None:
+        return DataLoader(rows, batch_size=ROWS * replicas)
+    return DataLoader(rows, batch_size=ROWS, sampler=DistributedSampler(rows, replicas, replica, shuffle=False))
 
 
 class Generate(L.Callback):
@@ -264,9 +268,11 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             max_steps=case.get("steps", 3), logger=logger, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks, num_sanity_val_steps=0, val_check_interval=2,
             limit_val_batches=case.get("val_batches", 1),
-            precision=case.get("precision", "64-true"),
+            precision=case.get("precision", "64-true"), use_distributed_sampler=False,
         )  # fmt: skip
-        loader = data(1 if pipelined else case.get("replicas", 1))
+        replicas = case.get("replicas", 1)
+        replica = int(os.environ.get("RANK", 0)) * replicas // cfg.get("ranks", 1) if pipelined else None
+        loader = data(replicas, replica)
         trainer.fit(model, loader, loader)
         name = case.get("name", case["model"])
         result = {**callback.results, "loss": float(trainer.callback_metrics["train_loss"])}
