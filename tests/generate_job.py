@@ -289,7 +289,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                     devices=cfg["ranks"], logger=False,
                     precision=case.get("precision", "64-true"), enable_progress_bar=False, enable_model_summary=False,
                 )  # fmt: skip
-                again = fresh.predict(build("seed_other"), DataLoader(batches, batch_size=None),
+                again = fresh.predict(build(case["model"] + "_other"), DataLoader(batches, batch_size=None),
                                       ckpt_path=out / f"{name}.ckpt")  # fmt: skip
                 result["predicted_from_checkpoint"] = None if again is None else [row.tolist() for row in again]
         results[name] = result
