@@ -26,10 +26,10 @@ import torch.distributed as dist
 
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.generation.sampling import Chooser, Sampling
-from lightning_pp.generation.stages import FINGERPRINT, StageCall
+from lightning_pp.generation.stages import StageCall
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-_HEADER = 8 + FINGERPRINT  # ndim, up to 5 sizes, dtype, status, the first stage's fingerprint
+_HEADER = 9  # ndim, up to 5 sizes, dtype, status, the fingerprint of what the first stage's layers receive
 
 
 @dataclass
@@ -126,8 +126,8 @@ class _Walk:
         out = call(m, ids, None if self.no_padding else mask, positions, received, record=t == 0)
         if t == 0:  # every stage's layers must receive what the first stage's do beside the hidden state
             if s == 0:
-                header[8:] = call.seen
-            elif header[7] == 0 and not torch.allclose(call.seen, header[8:], rtol=1e-5, atol=1e-6):
+                header[8] = call.seen
+            elif header[7] == 0 and not torch.isclose(call.seen, header[8], rtol=1e-5, atol=1e-6):
                 header[7] = s
         if s < ring.n_stages - 1:
             self._send_hidden(t, m, s, out, header)

@@ -8,7 +8,7 @@ micro-batches reach the last stage at different times and still take the very nu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,11 +35,8 @@ class Sampling:
     pad_token_id: int | None = None
     seed: int | None = None
     microbatches: int | None = None
-    eos: tuple[int, ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
-        eos = self.eos_token_id if self.eos_token_id is not None else ()
-        object.__setattr__(self, "eos", (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos))
         checks = [
             ("max_new_tokens", self.max_new_tokens, isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
              "a count of tokens >= 1"),
@@ -55,6 +52,11 @@ class Sampling:
         for name, value, good, want in checks:
             if not good:
                 raise PipelineConfigError(f"generate({name}={value!r}): pass {want}.")
+
+    @property
+    def eos(self) -> tuple[int, ...]:
+        eos = self.eos_token_id if self.eos_token_id is not None else ()
+        return (int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos)
 
     @property
     def pad(self) -> int:

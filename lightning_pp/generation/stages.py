@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.layout.mesh import batch_fingerprint
 from lightning_pp.split.stage import Placement, find_layers, get_path, model_entries
 
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value")
-FINGERPRINT = 4  # the layers' other inputs as (count, sum, sum of squares, weighted sum)
 
 
 class _Handoff(BaseException):
@@ -70,6 +69,13 @@ def check_generates(module: nn.Module, layers_path: str) -> None:
             )
 
 
+def call_entry(entry: nn.Module, ids: torch.Tensor, **given: Any) -> Any:
+    """``entry`` on ``ids`` with those of the ``given`` keywords its forward names (``input_ids=`` where it has one)."""
+    names = inspect.signature(type(entry).forward).parameters
+    kwargs = {k: v for k, v in given.items() if k in names}
+    return entry(input_ids=ids, **kwargs) if "input_ids" in names else entry(ids, **kwargs)
+
+
 class StageCall:
     """This rank's stage ``stage`` of the model, called once per lane and step."""
 
@@ -87,11 +93,10 @@ class StageCall:
         absent = placement.absent_on(stage)
         self.spares = {name: spares[name].to(device) for name in absent if name in spares}
         self.absent = [n for n in absent if n not in spares]
-        self.arguments = set(inspect.signature(type(self.entry).forward).parameters)
         self.caches: dict[int, Any] = {}
         self.received: torch.Tensor | None = None
         self.recording = False
-        self.seen: torch.Tensor | None = None  # the layers' other inputs at the last prefill
+        self.seen: torch.Tensor | None = None  # the fingerprint of the layers' other inputs at the last prefill
 
     def new_cache(self) -> Any:
         """A cache for one lane with slots for every layer, holding tensors for this stage's only."""
@@ -133,21 +138,16 @@ class StageCall:
         if lane not in self.caches:
             self.caches[lane] = self.new_cache()
         given = {
-            "input_ids": ids,
             "attention_mask": mask,
             "position_ids": positions,
             "past_key_values": self.caches[lane],
             "use_cache": True,
             "logits_to_keep": 1,
         }
-        kwargs = {k: v for k, v in given.items() if k in self.arguments and k != "input_ids"}
         self.received, self.recording = received, record
         with self._parts(received):
             try:
-                if "input_ids" in self.arguments:
-                    out = self.entry(input_ids=ids, **kwargs)
-                else:
-                    out = self.entry(ids, **kwargs)
+                out = call_entry(self.entry, ids, **given)
             except _Handoff as handoff:
                 return handoff.hidden
             finally:
@@ -182,7 +182,7 @@ class StageCall:
 
     def _take_received(self, layer: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         if self.recording:  # a prefill: what the layers receive beside the hidden state, for the check
-            self.seen = fingerprint([t for t in tree_flatten((args[1:], kwargs))[0] if isinstance(t, torch.Tensor)])
+            self.seen = batch_fingerprint((args[1:], kwargs))
             self.recording = False
         if self.received is None:
             return None
@@ -194,18 +194,6 @@ class StageCall:
     def _hand_on(self, layer: nn.Module, args: tuple, out: Any) -> None:
         hidden = out[0] if isinstance(out, tuple) else out
         raise _Handoff(hidden.contiguous())
-
-
-def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """A few float64 numbers that differ, in practice, when the tensors differ."""
-    total = torch.zeros(FINGERPRINT, dtype=torch.float64)
-    for i, t in enumerate(tensors):
-        flat = t.detach().reshape(-1).to("cpu", torch.float64)
-        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(9973)
-        total += torch.stack(
-            [torch.tensor(float(flat.numel())), flat.sum(), (flat * flat).sum(), (i + 1) * (flat * weights).sum()]
-        )
-    return total
 
 
 class _StandIn(nn.Module):

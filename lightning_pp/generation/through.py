@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -20,18 +19,11 @@ from torch import nn
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.generation.ring import GenerationReport, Ring, generate
 from lightning_pp.generation.sampling import Sampling
-from lightning_pp.generation.stages import StageCall, check_generates, generation_entry
+from lightning_pp.generation.stages import StageCall, call_entry, check_generates, generation_entry
 from lightning_pp.holding.stages import Holding
 from lightning_pp.layout.mesh import Layout, check_same_batch
 from lightning_pp.layout.options import PipelineOptions
-from lightning_pp.split.stage import (
-    Placement,
-    get_path,
-    model_entries,
-    parameterless_parts,
-    resolve_layers,
-    running_stages,
-)
+from lightning_pp.split.stage import Placement, get_path, model_entries, resolve_layers, running_stages
 
 
 def generate_through(
@@ -62,8 +54,6 @@ def generate_through(
         )
     assert views is not None and placement is not None
     check_generates(next(iter(views.values())), placement.layers_path)
-    # a rank's stages lend each other their parameter-free parts (a V's first and last stage on one rank)
-    spares = {**spares, **{n: p for v in views.values() for n, p in parameterless_parts(v, placement.parts).items()}}
     calls = {s: StageCall(view, placement, s, spares, device) for s, view in views.items()}
     check_same_batch((input_ids, attention_mask), group)  # every stage of a pipeline generates the same prompts
     ring = Ring(calls, placement.n_stages, layout.stage_rank, layout.rank, group, device, wire)
@@ -145,10 +135,7 @@ class StagesNotBuilt(PipelineConfigError):
 def _call_whole(module: nn.Module, layers: str | None, input_ids: torch.Tensor, mask: torch.Tensor) -> None:
     """The generation's model call on the whole module, which the placement learner captures (never runs)."""
     entry = get_path(module, generation_entry(module, resolve_layers(module, layers)))
-    if "input_ids" in inspect.signature(type(entry).forward).parameters:
-        entry(input_ids=input_ids, attention_mask=mask)
-    else:
-        entry(input_ids, attention_mask=mask)
+    call_entry(entry, input_ids, attention_mask=mask)
 
 
 class _ModelCalled(BaseException):
@@ -166,23 +153,26 @@ def generation_step(
         path = placement.layers_path if placement is not None else resolve_layers(module, layers)
     except PipelineConfigError:  # the pipeline's own checks say why, with the step's batch
         return NOT_GENERATION
-    entries = model_entries(module, path).values()
-    handles = [entry.register_forward_pre_hook(_stop_outside_generate, prepend=True) for entry in entries]
     try:
-        try:
-            return module.predict_step(*args, **kwargs)
-        except StagesNotBuilt:
-            for handle in handles:
-                handle.remove()
-            handles = []
-            token = _LEARNING.set(True)
-            try:
-                build("predict_step", args, kwargs)
-            finally:
-                _LEARNING.reset(token)
+        with _model_calls_stopped(model_entries(module, path).values()):
             return module.predict_step(*args, **kwargs)
     except _ModelCalled:
         return NOT_GENERATION
+    except StagesNotBuilt:
+        token = _LEARNING.set(True)
+        try:
+            build("predict_step", args, kwargs)
+        finally:
+            _LEARNING.reset(token)
+    return module.predict_step(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _model_calls_stopped(entries: Iterable[nn.Module]) -> Iterator[None]:
+    """A call of the model outside ``generate`` raises ``_ModelCalled`` (before the pruned module's own guard)."""
+    handles = [entry.register_forward_pre_hook(_stop_outside_generate, prepend=True) for entry in entries]
+    try:
+        yield
     finally:
         for handle in handles:
             handle.remove()

@@ -67,7 +67,7 @@ class Holding:
     adapter: tuple[Pretrained, WeightMap] | None = None  # init_adapter, checked at setup
     optimizer_layouts: list[OptimizerLayout] = field(default_factory=list)
     base: FrozenBase | None = None  # what this rank read from init_weights and left frozen: checkpoints leave it out
-    spares: dict[str, nn.Module] = field(default_factory=dict)  # parts without parameters other stages hold
+    spares: dict[str, nn.Module] = field(default_factory=dict)  # every part without parameters, by name
     roots: dict[int, nn.Module] = field(default_factory=dict)  # each stage's FSDP root, when sharded
     _made: tuple[dict[int, nn.Module], StageModules] | None = None
 
@@ -96,8 +96,8 @@ class Holding:
         for n, p in module.named_parameters(remove_duplicate=False):
             aliases.setdefault(id(p), []).append(n)
         held = list(module.parameters())  # the optimizers' Parameters stay alive (ids unique) until re-pointed
-        if not self.pruned:  # generation runs them where they are None (rotary embeddings, dropout)
-            self.spares = parameterless_parts(module, placement.absent_on(*stages))
+        if not self.pruned:  # generation runs them on a stage where they are None (rotary embeddings, dropout)
+            self.spares = parameterless_parts(module, placement.parts)
         if fitting and not self.pruned:
             self.state_keys = list(module.state_dict().keys())
             self.trainable = frozenset(n for n, p in module.named_parameters() if p.requires_grad)
